@@ -1,1 +1,27 @@
-"""cadence."""
+"""cadence: PyTorch distributed training in which the caller owns the timing.
+
+Gradient reductions run in the background and finish exactly when and where the
+caller says. See the README for the feature table and the overlap patterns.
+"""
+
+from cadence._dist_init import init
+from cadence.comm import Comm, CommEvent, CommWork, EventLog, ReductionHandle
+from cadence.launch import LaunchError, launch
+from cadence.topology import Coords, ParallelGroups, Topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Comm",
+    "CommEvent",
+    "CommWork",
+    "Coords",
+    "EventLog",
+    "LaunchError",
+    "ParallelGroups",
+    "ReductionHandle",
+    "Topology",
+    "__version__",
+    "init",
+    "launch",
+]

@@ -1,0 +1,430 @@
+"""The collective adapter: the one place in cadence that calls torch.distributed.
+
+Why one place:
+- torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in
+  favour of ``all_gather_single`` / ``reduce_scatter_single``; names are resolved
+  once here, with fallbacks for older releases.
+- ``ReduceOp.AVG`` is only trusted on NCCL. Older gloo builds ignored the op in
+  reduce-scatter (pytorch/pytorch#162338), so everywhere else AVG is SUM plus an
+  explicit divide when the work is waited.
+- Every collective can be recorded in an opt-in `EventLog` (kind, bytes, group,
+  issue time, wait start, wait end). Tests and benchmarks read it to prove
+  counts, order and overlap, independently of the backend.
+
+`ReductionHandle` is the asynchronous-completion type shared by DataParallel,
+fully_shard and the pipeline runtime.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Comm", "CommEvent", "CommWork", "EventLog", "ReduceOpName", "ReductionHandle"]
+
+ReduceOpName = Literal["sum", "avg", "max", "min"]
+
+# Resolved once: prefer the non-deprecated names of torch 2.13.
+_all_gather_single = (
+    getattr(dist, "all_gather_single", None)
+    or getattr(dist, "all_gather_into_tensor", None)
+    or dist._all_gather_base
+)
+_reduce_scatter_single = (
+    getattr(dist, "reduce_scatter_single", None)
+    or getattr(dist, "reduce_scatter_tensor", None)
+    or dist._reduce_scatter_base
+)
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+# ---------------------------------------------------------------------------
+# Event log
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class CommEvent:
+    """One collective (or one user mark) on the log's clock (``time.perf_counter``)."""
+
+    seq: int
+    kind: str
+    group: str
+    nbytes: int
+    numel: int
+    dtype: str
+    issue_t: float
+    wait_start_t: float | None = None
+    wait_end_t: float | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def waited(self) -> bool:
+        return self.wait_end_t is not None
+
+
+class EventLog:
+    """An opt-in, thread-safe record of collectives and user marks.
+
+    Pass it to the wrappers (``event_log=``) or to a `Comm`. ``mark(name)`` records
+    a user event on the same clock, so a test can assert e.g. that an all-reduce
+    was issued before sparse work started and waited after it ended.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.events: list[CommEvent] = []
+
+    def _add(self, event: CommEvent) -> CommEvent:
+        with self._lock:
+            event.seq = len(self.events)
+            self.events.append(event)
+        return event
+
+    def record(self, kind: str, group: str, tensor: torch.Tensor | None, **meta: Any) -> CommEvent:
+        numel = tensor.numel() if tensor is not None else 0
+        return self._add(
+            CommEvent(
+                seq=-1,
+                kind=kind,
+                group=group,
+                nbytes=numel * (tensor.element_size() if tensor is not None else 0),
+                numel=numel,
+                dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else "",
+                issue_t=time.perf_counter(),
+                meta=dict(meta),
+            )
+        )
+
+    def mark(self, name: str, **meta: Any) -> CommEvent:
+        """Record a user event (kind ``"mark"``); its ``issue_t`` is now."""
+        now = time.perf_counter()
+        return self._add(
+            CommEvent(-1, "mark", name, 0, 0, "", now, now, now, meta=dict(meta))
+        )
+
+    def clear(self) -> None:
+        with self._lock:
+            self.events.clear()
+
+    def collectives(self, kind: str | None = None, group: str | None = None) -> list[CommEvent]:
+        with self._lock:
+            events = list(self.events)
+        return [
+            e
+            for e in events
+            if e.kind != "mark"
+            and (kind is None or e.kind == kind)
+            and (group is None or e.group == group)
+        ]
+
+    def count(self, kind: str | None = None, group: str | None = None) -> int:
+        return len(self.collectives(kind, group))
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.collectives():
+            out[e.kind] = out.get(e.kind, 0) + 1
+        return out
+
+    def marks(self, name: str | None = None) -> list[CommEvent]:
+        with self._lock:
+            return [e for e in self.events if e.kind == "mark" and (name is None or e.group == name)]
+
+    def signature(self) -> list[tuple[str, int, str]]:
+        """(kind, numel, dtype) per collective, in issue order: compare it across ranks."""
+        return [(e.kind, e.numel, e.dtype) for e in self.collectives()]
+
+    def wait_time(self, kind: str | None = None) -> float:
+        """Seconds spent blocked inside ``wait()`` (exposed communication on CPU)."""
+        return sum(
+            (e.wait_end_t - e.wait_start_t)
+            for e in self.collectives(kind)
+            if e.wait_end_t is not None and e.wait_start_t is not None
+        )
+
+
+# ---------------------------------------------------------------------------
+# Works and handles
+# ---------------------------------------------------------------------------
+
+
+class CommWork:
+    """A launched collective. ``wait()`` is idempotent; ``is_completed()`` never blocks.
+
+    It keeps its tensors alive until waited, because the backend may still be
+    reading or writing them (gloo runs the op on its own threads).
+    """
+
+    __slots__ = ("_after", "_done", "_event", "_lock", "_tensors", "_work")
+
+    def __init__(
+        self,
+        work: Any | None,
+        *,
+        event: CommEvent | None = None,
+        after: Callable[[], None] | None = None,
+        tensors: Sequence[torch.Tensor] = (),
+    ) -> None:
+        self._work = work
+        self._event = event
+        self._after = after
+        self._tensors = tuple(tensors)
+        self._done = False
+        self._lock = threading.Lock()
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        return self._work is None or bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            if self._event is not None:
+                self._event.wait_start_t = time.perf_counter()
+            if self._work is not None:
+                # On NCCL this makes the current stream wait; it does not block the host.
+                self._work.wait()
+            if self._after is not None:
+                self._after()
+            if self._event is not None:
+                self._event.wait_end_t = time.perf_counter()
+            self._done = True
+            self._work = None
+            self._after = None
+            self._tensors = ()
+
+
+class ReductionHandle:
+    """Completion of a gradient reduction, shared by DataParallel, fully_shard and pipelines.
+
+    ``wait()`` waits the works in issue order and then runs ``on_complete`` (write
+    the reduced gradients back, free buffers) exactly once. If ``on_complete``
+    raises, the handle stays incomplete and a later ``wait()`` retries it; works
+    already waited are not waited twice. ``is_completed()`` never blocks.
+    """
+
+    def __init__(
+        self,
+        works: Iterable[CommWork] = (),
+        *,
+        on_complete: Callable[[], None] | None = None,
+        keepalive: Sequence[Any] = (),
+        label: str = "",
+    ) -> None:
+        self._works = list(works)
+        self._on_complete = on_complete
+        self._keepalive = tuple(keepalive)
+        self._done = False
+        self._lock = threading.RLock()
+        self.label = label
+
+    @classmethod
+    def completed(cls, label: str = "") -> ReductionHandle:
+        handle = cls(label=label)
+        handle._done = True
+        return handle
+
+    @property
+    def num_works(self) -> int:
+        return len(self._works)
+
+    def is_completed(self) -> bool:
+        """True once ``wait()`` finished, or when every collective has completed.
+
+        The write-back has not necessarily run yet: call ``wait()`` to apply it.
+        """
+        return self._done or all(w.is_completed() for w in self._works)
+
+    @property
+    def done(self) -> bool:
+        """True once ``wait()`` has returned (the results are visible)."""
+        return self._done
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            for work in self._works:
+                work.wait()
+            if self._on_complete is not None:
+                self._on_complete()
+            self._done = True
+            self._works = []
+            self._on_complete = None
+            self._keepalive = ()
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else f"{len(self._works)} works pending"
+        return f"ReductionHandle({self.label or 'reduction'}, {state})"
+
+
+# ---------------------------------------------------------------------------
+# The adapter
+# ---------------------------------------------------------------------------
+
+
+class Comm:
+    """Collectives over one process group, optionally recorded in an `EventLog`.
+
+    All ranks are *group* ranks. Every method issues asynchronously and returns a
+    `CommWork`; with ``async_op=False`` the work is already waited.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        event_log: EventLog | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "cadence.Comm needs an initialised process group; call cadence.init() first "
+                "(or run under cadence.launch / torchrun)."
+            )
+        self.group = group if group is not None else dist.group.WORLD
+        self.event_log = event_log
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group))
+        self.name = name or f"group{self.world_size}"
+        # Only NCCL's AVG is trusted; see the module docstring.
+        self.native_avg = self.backend == "nccl"
+
+    # -- helpers --------------------------------------------------------------
+
+    def _event(self, kind: str, tensor: torch.Tensor | None, **meta: Any) -> CommEvent | None:
+        if self.event_log is None:
+            return None
+        return self.event_log.record(kind, self.name, tensor, **meta)
+
+    @staticmethod
+    def _finish(work: CommWork, async_op: bool) -> CommWork:
+        if not async_op:
+            work.wait()
+        return work
+
+    def _op(self, op: ReduceOpName, target: torch.Tensor) -> tuple[Any, Callable[[], None] | None]:
+        if op == "avg":
+            if self.native_avg:
+                return dist.ReduceOp.AVG, None
+            world = self.world_size
+            return dist.ReduceOp.SUM, lambda: target.div_(world)
+        if op not in _OPS:
+            raise ValueError(f"unknown reduce op {op!r}; use one of sum, avg, max, min")
+        return _OPS[op], None
+
+    def global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    # -- collectives ----------------------------------------------------------
+
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: ReduceOpName = "sum", async_op: bool = False
+    ) -> CommWork:
+        event = self._event("all_reduce", tensor, op=op)
+        torch_op, after = self._op(op, tensor)
+        work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=True)
+        return self._finish(CommWork(work, event=event, after=after, tensors=(tensor,)), async_op)
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> CommWork:
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(
+                f"all_gather_single: output has {output.numel()} elements, expected "
+                f"{input.numel()} x world {self.world_size}"
+            )
+        event = self._event("all_gather", output)
+        work = _all_gather_single(output, input, group=self.group, async_op=True)
+        return self._finish(CommWork(work, event=event, tensors=(output, input)), async_op)
+
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        op: ReduceOpName = "sum",
+        async_op: bool = False,
+    ) -> CommWork:
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(
+                f"reduce_scatter_single: input has {input.numel()} elements, expected "
+                f"{output.numel()} x world {self.world_size}"
+            )
+        event = self._event("reduce_scatter", input, op=op)
+        torch_op, after = self._op(op, output)
+        work = _reduce_scatter_single(output, input, op=torch_op, group=self.group, async_op=True)
+        return self._finish(
+            CommWork(work, event=event, after=after, tensors=(output, input)), async_op
+        )
+
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, async_op: bool = False) -> CommWork:
+        event = self._event("broadcast", tensor, src=src)
+        work = dist.broadcast(tensor, group=self.group, group_src=src, async_op=True)
+        return self._finish(CommWork(work, event=event, tensors=(tensor,)), async_op)
+
+    def isend(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> CommWork:
+        event = self._event("send", tensor, peer=dst)
+        work = dist.isend(tensor, group=self.group, group_dst=dst, tag=tag)
+        return CommWork(work, event=event, tensors=(tensor,))
+
+    def irecv(self, tensor: torch.Tensor, src: int, *, tag: int = 0) -> CommWork:
+        event = self._event("recv", tensor, peer=src)
+        work = dist.irecv(tensor, group=self.group, group_src=src, tag=tag)
+        return CommWork(work, event=event, tensors=(tensor,))
+
+    def batch_isend_irecv(
+        self, ops: Sequence[tuple[Literal["send", "recv"], torch.Tensor, int]]
+    ) -> list[CommWork]:
+        """Post several point-to-point ops together (one NCCL group); ``(kind, tensor, peer)``."""
+        p2p = []
+        events = []
+        for kind, tensor, peer in ops:
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, tensor, group=self.group, group_peer=peer))
+            events.append(self._event(kind, tensor, peer=peer))
+        works = dist.batch_isend_irecv(p2p) if p2p else []
+        return [
+            CommWork(w, event=e, tensors=(t,))
+            for w, e, (_, t, _) in zip(works, events, ops)
+        ]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self._event("all_gather_object", None)
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, *, src: int = 0) -> Any:
+        self._event("broadcast_object", None)
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        self._event("barrier", None)
+        # A tiny all-reduce instead of dist.barrier(): gloo's barrier ignores the group's
+        # device and NCCL's warns without a device id; an all-reduce works on both.
+        flag = torch.zeros(1, device=_group_device(self.backend))
+        dist.all_reduce(flag, group=self.group)
+
+
+def _group_device(backend: str) -> torch.device:
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,238 @@
+"""A local multi-process launcher: ``cadence.launch(fn, *args, nprocs=N)``.
+
+Each rank is a fresh interpreter (``python -m cadence._worker``), not a fork, so
+CUDA and gloo state never leak between ranks and ``__main__`` closures work:
+the function travels by value through `cadence.pickling`.
+
+Failure policy: the first rank that raises, dies or outlives the timeout stops
+every rank (SIGTERM, then SIGKILL after a short grace period), and the parent
+raises `LaunchError` naming that rank, with the remote traceback. Ranks are
+started in their own process sessions so that killing one also kills anything
+it started.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LaunchError", "RankFailure", "launch"]
+
+_POLL_S = 0.02
+_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank failed."""
+
+    rank: int
+    reason: str  # "raised", "exited", "timeout"
+    exit_code: int | None
+    exc_type: str | None
+    message: str
+    traceback: str
+
+
+class LaunchError(RuntimeError):
+    """A launched rank raised, died or hung; every rank has been stopped."""
+
+    def __init__(self, failure: RankFailure, others: list[RankFailure]) -> None:
+        self.failure = failure
+        self.rank = failure.rank
+        self.others = others
+        self.remote_traceback = failure.traceback
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        f = self.failure
+        if f.reason == "raised":
+            head = f"rank {f.rank} raised {f.exc_type}: {f.message}"
+        elif f.reason == "timeout":
+            head = f"rank {f.rank} did not finish within the timeout ({f.message}); it may be hung in a collective"
+        else:
+            head = f"rank {f.rank} exited with code {f.exit_code} without raising a Python exception ({f.message})"
+        lines = [head]
+        if f.traceback:
+            lines += ["", f"--- remote traceback (rank {f.rank}) ---", f.traceback.rstrip()]
+        if self.others:
+            lines += ["", "other ranks: " + "; ".join(f"rank {o.rank}: {o.reason}" for o in self.others)]
+        return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _dumps(obj: Any) -> bytes:
+    # By value, so closures and lambdas reach the ranks (issue: pickler).
+    try:
+        from cadence import pickling
+    except ImportError:  # pragma: no cover - the pickler ships with cadence
+        return pickle.dumps(obj)
+    return pickling.dumps(obj)
+
+
+def launch(
+    fn: Callable[..., Any],
+    *args: Any,
+    nprocs: int,
+    backend: str | None = None,
+    timeout: float = 300.0,
+    init_process_group: bool = True,
+    num_threads: int | None = None,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks and return their results.
+
+    Args:
+        fn: any callable, closures and lambdas included.
+        nprocs: number of ranks.
+        backend: process-group backend (default: nccl with CUDA, else gloo).
+        timeout: seconds for the whole run; past it every rank is stopped.
+        init_process_group: initialise the default group (via ``cadence.init``)
+            before calling ``fn``. Otherwise only the torchrun variables are set.
+        num_threads: ``torch.set_num_threads`` in each rank (tests use 1).
+        env: extra environment variables for the ranks.
+
+    Returns:
+        The per-rank return values, indexed by rank.
+
+    Raises:
+        LaunchError: a rank raised, exited or hung; all ranks were stopped.
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    with tempfile.TemporaryDirectory(prefix="cadence-launch-") as tmp:
+        work = Path(tmp)
+        (work / "payload.pkl").write_bytes(_dumps((fn, args, kwargs)))
+        header = {
+            "sys_path": list(sys.path),
+            "init": init_process_group,
+            "backend": backend,
+            "timeout": timeout,
+            "num_threads": num_threads,
+        }
+        (work / "header.pkl").write_bytes(pickle.dumps(header))
+        port = _free_port()
+        base_env = dict(os.environ)
+        base_env.update(env or {})
+        base_env.update(
+            {
+                "WORLD_SIZE": str(nprocs),
+                "LOCAL_WORLD_SIZE": str(nprocs),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                # A file rendezvous: no port race between concurrent launches.
+                "CADENCE_INIT_METHOD": f"file://{work / 'rendezvous'}",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if num_threads is not None:
+            base_env["OMP_NUM_THREADS"] = str(num_threads)
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(nprocs):
+                rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "cadence._worker", str(work), str(rank)],
+                        env=rank_env,
+                        start_new_session=True,
+                    )
+                )
+            _supervise(procs, work, timeout)
+        finally:
+            _stop_all(procs)
+        results = []
+        for rank in range(nprocs):
+            results.append(pickle.loads((work / f"result.{rank}").read_bytes()))
+        return results
+
+
+def _failure_of(rank: int, proc: subprocess.Popen[bytes], work: Path) -> RankFailure:
+    err = work / f"error.{rank}"
+    if err.exists():
+        info = pickle.loads(err.read_bytes())
+        return RankFailure(rank, "raised", proc.returncode, info["type"], info["message"], info["traceback"])
+    code = proc.returncode
+    why = f"killed by signal {-code}" if code is not None and code < 0 else "os._exit or a crash"
+    return RankFailure(rank, "exited", code, None, why, "")
+
+
+def _failed_at(work: Path, rank: int) -> float:
+    err = work / f"error.{rank}"
+    return err.stat().st_mtime if err.exists() else time.time()
+
+
+def _supervise(procs: list[subprocess.Popen[bytes]], work: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        failed = []
+        for rank, proc in enumerate(procs):
+            code = proc.poll()
+            if code is None:
+                running.append(rank)
+            elif code != 0 or (work / f"error.{rank}").exists():
+                failed.append(rank)
+        if failed:
+            # The rank that failed first is the cause; ranks whose collectives broke
+            # because of it fail moments later. Error files carry the time.
+            first_rank = min(failed, key=lambda r: _failed_at(work, r))
+            first = _failure_of(first_rank, procs[first_rank], work)
+            _stop_all(procs)
+            others = [
+                _failure_of(r, p, work)
+                if r not in running or (work / f"error.{r}").exists()
+                else RankFailure(r, "stopped by the launcher", p.returncode, None, "", "")
+                for r, p in enumerate(procs)
+                if r != first_rank and p.returncode not in (0, None)
+            ]
+            others.sort(key=lambda f: f.reason != "raised")
+            raise LaunchError(first, others)
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            _stop_all(procs)
+            failures = [
+                RankFailure(r, "timeout", None, None, f"{timeout:.0f}s", "") for r in running
+            ]
+            raise LaunchError(failures[0], failures[1:])
+        time.sleep(_POLL_S)
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        _signal_group(p, signal.SIGTERM)
+    end = time.monotonic() + _GRACE_S
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+    # Anything the ranks started in their sessions goes too.
+    for p in procs:
+        _signal_group(p, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,185 @@
+"""Parallel degrees and the named process groups built from them.
+
+One `Topology` describes the degrees; `Topology.build()` turns it into a
+`ParallelGroups` object that every wrapper receives explicitly. Nothing here is
+stored in module globals, so two topologies can live in one process (tests do
+this) and no code reads "the" data-parallel group from somewhere hidden.
+
+Rank layout: ``rank = (pp_idx * dp_replicate + rep_idx) * dp_shard + shard_idx``.
+Pipeline is outermost and shard innermost (as torchtitan), so shard groups are
+contiguous ranks: on a node-major launch they stay inside a node, where the
+all-gather / reduce-scatter traffic is heaviest.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Coords", "ParallelGroups", "Topology"]
+
+
+class Coords(NamedTuple):
+    """A rank's position in the (pp, dp_replicate, dp_shard) grid."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Degrees of parallelism; their product is the world size.
+
+    Attributes:
+        dp_replicate: replicas that all-reduce gradients (the "R" of HSDP, or plain DP).
+        dp_shard: ranks that shard parameters (FSDP); 1 means no sharding.
+        pp: pipeline ranks.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Topology.{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def data_parallel(cls, world_size: int) -> Topology:
+        """Plain data parallelism over ``world_size`` ranks."""
+        return cls(dp_replicate=world_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.pp
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that hold the same pipeline stage (replicate x shard)."""
+        return self.dp_replicate * self.dp_shard
+
+    def validate(self, world_size: int) -> None:
+        """Raise ``ValueError`` with the numbers if the degrees do not cover ``world_size``."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"Topology degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
+                f"x pp={self.pp} = {self.world_size}, but the world size is {world_size}. "
+                "Choose degrees whose product equals the number of launched ranks."
+            )
+
+    def coords(self, rank: int) -> Coords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a topology of {self.world_size} ranks")
+        shard = rank % self.dp_shard
+        rep = (rank // self.dp_shard) % self.dp_replicate
+        pp = rank // (self.dp_shard * self.dp_replicate)
+        return Coords(pp, rep, shard)
+
+    def rank_of(self, coords: Coords) -> int:
+        pp, rep, shard = coords
+        return (pp * self.dp_replicate + rep) * self.dp_shard + shard
+
+    def groups_of(self, dim: str) -> list[list[int]]:
+        """All rank lists along ``dim`` ("pp", "dp_replicate", "dp_shard" or "dp"), canonical order.
+
+        Every rank must create groups in this same order, since ``new_group`` is a
+        collective over the default group.
+        """
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        if dim == "dp":
+            out = []
+            for pp in range(self.pp):
+                out.append(
+                    [
+                        self.rank_of(Coords(pp, r, s))
+                        for r in range(self.dp_replicate)
+                        for s in range(self.dp_shard)
+                    ]
+                )
+            return out
+        if dim not in sizes:
+            raise ValueError(f"unknown topology dimension {dim!r}; use pp, dp_replicate, dp_shard or dp")
+        others = [d for d in ("pp", "dp_replicate", "dp_shard") if d != dim]
+        out = []
+        for fixed in itertools.product(*(range(sizes[d]) for d in others)):
+            ranks = []
+            for i in range(sizes[dim]):
+                c = dict(zip(others, fixed))
+                c[dim] = i
+                ranks.append(self.rank_of(Coords(c["pp"], c["dp_replicate"], c["dp_shard"])))
+            out.append(ranks)
+        return out
+
+    def build(self, *, backend: str | None = None) -> ParallelGroups:
+        """Create the named groups. Collective: every rank of the default group must call it."""
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Topology.build() needs an initialised default process group; call cadence.init() "
+                "(or torch.distributed.init_process_group) first."
+            )
+        self.validate(dist.get_world_size())
+        rank = dist.get_rank()
+        mine: dict[str, dist.ProcessGroup] = {}
+        for dim in ("pp", "dp_replicate", "dp_shard", "dp"):
+            for ranks in self.groups_of(dim):
+                # A group of the whole world is the default group: reuse it instead of
+                # paying for another communicator.
+                if len(ranks) == dist.get_world_size():
+                    group = dist.group.WORLD
+                else:
+                    group = dist.new_group(ranks=ranks, backend=backend)
+                if rank in ranks:
+                    mine[dim] = group
+        return ParallelGroups(
+            topology=self,
+            rank=rank,
+            world=dist.group.WORLD,
+            pp=mine["pp"],
+            dp_replicate=mine["dp_replicate"],
+            dp_shard=mine["dp_shard"],
+            dp=mine["dp"],
+            device=_default_device(),
+        )
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups of one `Topology`, for one rank. Pass it to the wrappers."""
+
+    topology: Topology
+    rank: int
+    world: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp_replicate: dist.ProcessGroup
+    dp_shard: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def coords(self) -> Coords:
+        return self.topology.coords(self.rank)
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline group, indexed by pipeline position."""
+        for ranks in self.topology.groups_of("pp"):
+            if self.rank in ranks:
+                return ranks
+        raise AssertionError("rank not in any pp group")  # invariant of groups_of
