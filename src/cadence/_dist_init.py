@@ -54,7 +54,11 @@ def init(
         else:
             # A world of one: no rendezvous needed, so no port can collide.
             dist.init_process_group(
-                chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                chosen,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=timeout,
                 device_id=device_id,
             )
     world = dist.get_world_size()

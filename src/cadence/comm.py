@@ -110,9 +110,7 @@ class EventLog:
     def mark(self, name: str, **meta: Any) -> CommEvent:
         """Record a user event (kind ``"mark"``); its ``issue_t`` is now."""
         now = time.perf_counter()
-        return self._add(
-            CommEvent(-1, "mark", name, 0, 0, "", now, now, now, meta=dict(meta))
-        )
+        return self._add(CommEvent(-1, "mark", name, 0, 0, "", now, now, now, meta=dict(meta)))
 
     def clear(self) -> None:
         with self._lock:
@@ -140,7 +138,9 @@ class EventLog:
 
     def marks(self, name: str | None = None) -> list[CommEvent]:
         with self._lock:
-            return [e for e in self.events if e.kind == "mark" and (name is None or e.group == name)]
+            return [
+                e for e in self.events if e.kind == "mark" and (name is None or e.group == name)
+            ]
 
     def signature(self) -> list[tuple[str, int, str]]:
         """(kind, numel, dtype) per collective, in issue order: compare it across ranks."""
@@ -399,10 +399,7 @@ class Comm:
             p2p.append(dist.P2POp(fn, tensor, group=self.group, group_peer=peer))
             events.append(self._event(kind, tensor, peer=peer))
         works = dist.batch_isend_irecv(p2p) if p2p else []
-        return [
-            CommWork(w, event=e, tensors=(t,))
-            for w, e, (_, t, _) in zip(works, events, ops)
-        ]
+        return [CommWork(w, event=e, tensors=(t,)) for w, e, (_, t, _) in zip(works, events, ops)]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         self._event("all_gather_object", None)

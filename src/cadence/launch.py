@@ -66,7 +66,10 @@ class LaunchError(RuntimeError):
         if f.traceback:
             lines += ["", f"--- remote traceback (rank {f.rank}) ---", f.traceback.rstrip()]
         if self.others:
-            lines += ["", "other ranks: " + "; ".join(f"rank {o.rank}: {o.reason}" for o in self.others)]
+            lines += [
+                "",
+                "other ranks: " + "; ".join(f"rank {o.rank}: {o.reason}" for o in self.others),
+            ]
         return "\n".join(lines)
 
 
@@ -167,7 +170,9 @@ def _failure_of(rank: int, proc: subprocess.Popen[bytes], work: Path) -> RankFai
     err = work / f"error.{rank}"
     if err.exists():
         info = pickle.loads(err.read_bytes())
-        return RankFailure(rank, "raised", proc.returncode, info["type"], info["message"], info["traceback"])
+        return RankFailure(
+            rank, "raised", proc.returncode, info["type"], info["message"], info["traceback"]
+        )
     code = proc.returncode
     why = f"killed by signal {-code}" if code is not None and code < 0 else "os._exit or a crash"
     return RankFailure(rank, "exited", code, None, why, "")

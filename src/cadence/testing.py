@@ -72,7 +72,9 @@ def shard(batch: torch.Tensor, rank: int, world_size: int, dim: int = 0) -> torc
     """This rank's equal slice of ``batch`` along ``dim`` (raises if it does not divide)."""
     n = batch.shape[dim]
     if n % world_size:
-        raise ValueError(f"batch of {n} along dim {dim} does not split evenly over {world_size} ranks")
+        raise ValueError(
+            f"batch of {n} along dim {dim} does not split evenly over {world_size} ranks"
+        )
     return batch.narrow(dim, rank * (n // world_size), n // world_size)
 
 

@@ -105,7 +105,9 @@ class Topology:
                 )
             return out
         if dim not in sizes:
-            raise ValueError(f"unknown topology dimension {dim!r}; use pp, dp_replicate, dp_shard or dp")
+            raise ValueError(
+                f"unknown topology dimension {dim!r}; use pp, dp_replicate, dp_shard or dp"
+            )
         others = [d for d in ("pp", "dp_replicate", "dp_shard") if d != dim]
         out = []
         for fixed in itertools.product(*(range(sizes[d]) for d in others)):
