@@ -1,0 +1,12 @@
+"""cadence's fully sharded data parallelism: ``fully_shard`` (see docs/fsdp.md)."""
+
+from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
+from cadence.fsdp._fully_shard import FullyShardedModule, UnshardHandle, fully_shard
+
+__all__ = [
+    "FullyShardError",
+    "FullyShardedModule",
+    "MixedPrecisionPolicy",
+    "UnshardHandle",
+    "fully_shard",
+]

@@ -1,0 +1,331 @@
+"""``cadence.fully_shard``: the entry point and the methods of a fully sharded module."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from cadence import _autograd
+from cadence.comm import EventLog, ReductionHandle
+from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
+from cadence.fsdp._param import collect_params
+from cadence.fsdp._state import Runtime
+from cadence.fsdp._unit import ShardedState, Unit
+from cadence.topology import ParallelGroups
+
+__all__ = ["FullyShardedModule", "UnshardHandle", "fully_shard"]
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """An in-flight ``unshard(async_op=True)``; ``wait()`` (idempotent) registers the params."""
+
+    def __init__(self, unit: Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        self._unit.wait_unshard()
+        assert self._unit.runtime is not None
+        self._unit.runtime.note_unsharded()
+
+
+class FullyShardedModule(nn.Module):
+    """Mixed into the class of every module passed to `fully_shard` (first in the MRO)."""
+
+    _cadence_unit: Unit
+
+    @property
+    def _runtime(self) -> Runtime:
+        runtime = self._cadence_unit.runtime
+        assert runtime is not None
+        return runtime
+
+    def _units(self, recurse: bool) -> list[Unit]:
+        if not recurse:
+            return [self._cadence_unit]
+        return [m._cadence_unit for m in self.modules() if isinstance(m, FullyShardedModule)]
+
+    # -- timing verbs (shared with DataParallel: cadence._timing.GradientTiming) --
+
+    def set_requires_gradient_sync(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether post-backward reduce-scatters (True) or accumulates unsharded (False)."""
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = enabled
+
+    def set_reshard_after_forward(self, enabled: bool, *, recurse: bool = True) -> None:
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = enabled
+
+    def set_reshard_after_backward(self, enabled: bool, *, recurse: bool = True) -> None:
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = enabled
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Sticky: backward launches reductions; the caller completes them with finalize."""
+        if _autograd.in_backward():
+            raise FullyShardError(
+                "set_manual_backward_finalization() was called inside backward; the mode is "
+                "read when backward ends. Fix: set it before forward."
+            )
+        self._runtime.manual_finalization = enabled
+
+    @property
+    def require_manual_backward_finalization(self) -> bool:
+        return self._runtime.manual_finalization
+
+    @property
+    def should_finalize_after_backward(self) -> bool:
+        """True when the coming backward will leave reductions for finalize_backward()."""
+        runtime = self._runtime
+        return runtime.manual_finalization and any(u.requires_gradient_sync for u in runtime.units)
+
+    def finalize_backward(self, *, async_op: bool = False) -> ReductionHandle | None:
+        """Complete every pending reduction, following the current flags.
+
+        Units in sync mode reduce what they accumulated in no-sync backwards; units
+        already reduced in a syncing backward are only waited. With ``async_op=True``
+        return a `ReductionHandle` whose ``wait()`` writes the sharded ``.grad``.
+        """
+        return self._runtime.finalize_backward(async_op=async_op)
+
+    def set_max_inflight_reductions(self, n: int) -> None:
+        """Reduce-scatter inputs alive at once during backward (default 2)."""
+        if n < 1:
+            raise ValueError(f"max in-flight reductions must be >= 1, got {n}")
+        self._runtime.max_inflight_reductions = n
+
+    # -- unshard / reshard (this module's unit only, as FSDP2) --------------------
+
+    def unshard(self, *, async_op: bool = False) -> UnshardHandle | None:
+        runtime = self._runtime
+        runtime.check_no_pending_handle("unshard()")
+        unit = self._cadence_unit
+        unit.unshard(async_op=async_op)
+        handle = UnshardHandle(unit)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    def reshard(self) -> None:
+        self._cadence_unit.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Recover after an exception in forward/backward: drop in-flight state, reshard."""
+        self._runtime.reset_iter_state()
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        self._cadence_unit.forward_prefetch = [_unit_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        self._cadence_unit.backward_prefetch = [_unit_of(m) for m in modules]
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes per rank: shards, live/peak unsharded params, accumulation, in-flight RS."""
+        return self._runtime.memory_stats()
+
+    # -- state dict -------------------------------------------------------------
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Sharded: every parameter is a DTensor ``Shard(0)`` (DCP-compatible)."""
+        self._runtime.reshard_all_idle("state_dict()")
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        self._runtime.reshard_all_idle("load_state_dict()")
+        if assign:
+            raise FullyShardError(
+                "load_state_dict(assign=True) would replace the sharded parameters, which are "
+                "views into each unit's flat shard. Fix: use assign=False (the default)."
+            )
+        return super().load_state_dict(state_dict, strict=strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Gathered plain tensors on every rank (collective: call it on every rank)."""
+        self._runtime.reshard_all_idle("full_state_dict()")
+        full: dict[int, torch.Tensor] = {}
+        for unit in self._units(recurse=True):
+            assert unit.comm is not None
+            out = torch.empty(
+                unit.world * unit.shard_numel, dtype=unit.orig_dtype, device=unit.device
+            )
+            unit.comm.all_gather_single(out, unit.flat_shard)
+            grid = out.view(unit.world, unit.shard_numel)
+            for info in unit.params:
+                block = grid.narrow(1, info.offset, info.chunk_numel).reshape(-1)
+                full[id(info.sharded)] = block[: info.numel].view(info.shape).clone()
+        sd = super().state_dict(keep_vars=True)
+        return {k: full[id(v)] if id(v) in full else v.detach().clone() for k, v in sd.items()}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
+        """Load gathered tensors (``full_state_dict()`` or a single-process model)."""
+        self._runtime.reshard_all_idle("load_full_state_dict()")
+        current = super().state_dict(keep_vars=True)
+        converted: dict[str, Any] = {}
+        for key, value in state_dict.items():
+            target = current.get(key)
+            if isinstance(target, DTensor):
+                shard_dim_rows = _local_rows(target)
+                start, rows = shard_dim_rows
+                local = value.detach().narrow(0, start, rows).to(target.dtype)
+                converted[key] = DTensor.from_local(
+                    local,
+                    target.device_mesh,
+                    target.placements,
+                    run_check=False,
+                    shape=target.shape,
+                    stride=target.stride(),
+                )
+            else:
+                converted[key] = value
+        return super().load_state_dict(converted, strict=strict)
+
+
+def _local_rows(target: DTensor) -> tuple[int, int]:
+    local = target.to_local()
+    mesh = target.device_mesh
+    shard_mesh_dim = next(i for i, p in enumerate(target.placements) if isinstance(p, Shard))
+    world = mesh.size(shard_mesh_dim)
+    rank = mesh.get_local_rank(shard_mesh_dim)
+    chunk = -(-target.shape[0] // world)
+    return min(rank * chunk, target.shape[0]), local.shape[0]
+
+
+def _unit_of(module: nn.Module) -> Unit:
+    if not isinstance(module, FullyShardedModule):
+        raise ValueError(
+            f"{type(module).__name__} is not a fully_shard module; prefetch lists name "
+            "modules that fully_shard was applied to."
+        )
+    return module._cadence_unit
+
+
+def _resolve_group(
+    group: dist.ProcessGroup | ParallelGroups | None,
+) -> tuple[
+    dist.ProcessGroup, dist.ProcessGroup | None, DeviceMesh, tuple[Placement, ...], torch.device
+]:
+    if not dist.is_initialized():
+        raise FullyShardError(
+            "fully_shard needs an initialised process group; call cadence.init() first."
+        )
+    if isinstance(group, ParallelGroups):
+        device = group.device
+        topo = group.topology
+        shard = group.dp_shard
+        if topo.dp_replicate > 1:
+            coords = group.coords
+            base = coords.pp * topo.dp_replicate * topo.dp_shard
+            layout = (
+                torch.arange(topo.dp_replicate * topo.dp_shard).view(
+                    topo.dp_replicate, topo.dp_shard
+                )
+                + base
+            )
+            mesh = DeviceMesh.from_group(
+                [group.dp_replicate, shard],
+                device.type,
+                mesh=layout,
+                mesh_dim_names=("dp_replicate", "dp_shard"),
+            )
+            return shard, group.dp_replicate, mesh, (Replicate(), Shard(0)), device
+        mesh = DeviceMesh.from_group(shard, device.type, mesh_dim_names=("dp_shard",))
+        return shard, None, mesh, (Shard(0),), device
+    pg = group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
+    device = torch.device("cpu")
+    if dist.get_backend(pg) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mesh = DeviceMesh.from_group(pg, device.type, mesh_dim_names=("dp_shard",))
+    return pg, None, mesh, (Shard(0),), device
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    group: dist.ProcessGroup | ParallelGroups | None = None,
+    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    event_log: EventLog | None = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters (those not owned by nested units) on dim 0.
+
+    Apply bottom-up: chosen submodules first, then the root. Returns ``module`` itself,
+    whose class becomes ``FullyShard<Class>`` (names and state-dict keys unchanged).
+
+    Args:
+        group: the shard group (default: the world), or `ParallelGroups` (HSDP when
+            ``dp_replicate > 1``: reduce-scatter over ``dp_shard``, all-reduce over
+            ``dp_replicate``).
+        reshard_after_forward: free the unsharded parameters after forward (re-gathered
+            for backward). ``None``: True except for the root.
+        mp_policy: see `MixedPrecisionPolicy`.
+        event_log: records every collective (the root's log is used by all units).
+    """
+    if isinstance(module, FullyShardedModule):
+        raise FullyShardError(
+            f"fully_shard was already applied to {type(module).__name__}; apply it once."
+        )
+    mp_policy = mp_policy or MixedPrecisionPolicy()
+    shard_group, replicate_group, mesh, placements, device = _resolve_group(group)
+    params = collect_params(module)
+    for info in params:
+        reg_module, reg_name = info.registrations[0]
+        p = reg_module._parameters[reg_name]
+        assert p is not None
+        if p.device.type != device.type:
+            raise FullyShardError(
+                f"parameter {info.fqn!r} is on {p.device} but the shard group uses {device}; "
+                f"move the module to {device} before fully_shard."
+            )
+    unit = Unit(
+        module,
+        params,
+        shard_group=shard_group,
+        replicate_group=replicate_group,
+        mesh=mesh,
+        placements=placements,
+        world=dist.get_world_size(shard_group),
+        rank=dist.get_rank(shard_group),
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        device=device,
+    )
+    unit.event_log = event_log
+    module._cadence_unit = unit  # type: ignore[assignment]
+    cls = type(module)
+    if cls not in _CLASS_CACHE:
+        _CLASS_CACHE[cls] = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
+    module.__class__ = _CLASS_CACHE[cls]
+
+    # This call's module is the root until a later call wraps it: rebuild the runtime.
+    units = [m._cadence_unit for m in module.modules() if isinstance(m, FullyShardedModule)]
+    inherited = [u.event_log for u in units if u.event_log is not None]
+    log = event_log or (inherited[0] if inherited else None)
+    runtime = Runtime(unit, units, log)
+    for u in units:
+        if u.state is not ShardedState.SHARDED:
+            u.reshard()
+        u.runtime = runtime
+        arg = u.reshard_after_forward_arg
+        u.reshard_after_forward = (u is not unit) if arg is None else arg
+
+    module.register_forward_pre_hook(
+        lambda m, args, kwargs: unit.runtime.pre_forward(unit, args, kwargs),  # type: ignore[union-attr]
+        with_kwargs=True,
+    )
+    module.register_forward_hook(
+        lambda m, args, output: unit.runtime.post_forward(unit, output)  # type: ignore[union-attr]
+    )
+    for info in params:
+        if info.requires_grad:
+            assert info.unsharded is not None
+            info.unsharded.register_post_accumulate_grad_hook(
+                lambda p: unit.runtime.post_accumulate_hook(unit)(p)  # type: ignore[union-attr]
+            )
+    return module

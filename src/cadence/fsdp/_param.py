@@ -1,0 +1,148 @@
+"""Per-parameter sharding: dim-0 chunks padded to chunk 0's size, in one flat shard per unit.
+
+[Note: cadence FSDP tensors]
+Shape legend: ``W`` = shard-group size, ``S`` = padded shard numel of a unit
+(sum over its params of ``chunk_rows * row_numel``).
+
+- ``flat_shard``  (S,)   1D, original dtype. Parameter ``p``'s padded chunk sits at
+  ``[offset, offset + chunk_numel)``; its valid rows are the first ``local_rows``.
+  The optimizer's sharded parameter is a DTensor ``Shard(0)`` whose local tensor is a
+  *view* of that slice, so in-place optimizer updates land in ``flat_shard`` and the
+  all-gather needs no copy-in (FSDP2 copies each shard in).
+- all-gather output (W, S) rank-major; copied out per parameter into
+- ``unsharded_flat`` (W*S,) parameter-major: ``p`` owns ``[W*offset, W*(offset+chunk_numel))``,
+  viewed (W, chunk_numel); the unsharded parameter is its first ``numel`` elements.
+  Row-major rank order puts all padding at the tail, so a prefix view is exact.
+- reduce-scatter input (W, S) rank-major, built by ``torch._chunk_cat`` (which pads the
+  same way), output (S,); ``p``'s sharded grad is a view of its valid slice.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from cadence.fsdp._api import FullyShardError
+
+__all__ = ["ParamInfo", "collect_params", "make_layout"]
+
+
+@dataclass
+class ParamInfo:
+    """One (deduplicated) parameter of a unit and where its pieces live."""
+
+    fqn: str
+    registrations: list[tuple[nn.Module, str]]
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+    # -- layout (filled by make_layout) --
+    row_numel: int = 0
+    chunk_rows: int = 0
+    chunk_numel: int = 0  # padded, per rank
+    offset: int = 0  # into flat_shard
+    local_rows: int = 0
+    # -- tensors --
+    sharded: nn.Parameter | None = None  # DTensor Shard(0), what the optimizer sees
+    unsharded: nn.Parameter | None = None  # view into the unit's unsharded_flat
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def local_numel(self) -> int:
+        return self.local_rows * self.row_numel
+
+    def local_shape(self) -> torch.Size:
+        return torch.Size([self.local_rows, *self.shape[1:]])
+
+    def register(self, tensor: nn.Parameter) -> None:
+        # Write module._parameters directly: the module may hold a DTensor or a plain
+        # Parameter under the same name at different times (state-dict keys never change).
+        for module, name in self.registrations:
+            module._parameters[name] = tensor
+
+
+def _is_unit(module: nn.Module) -> bool:
+    return getattr(module, "_cadence_unit", None) is not None
+
+
+def collect_params(root: nn.Module) -> list[ParamInfo]:
+    """Params of ``root`` not owned by a nested unit; ties inside are merged, across raise."""
+    by_id: dict[int, ParamInfo] = {}
+    owned_elsewhere: dict[int, str] = {}
+    for sub in root.modules():
+        if sub is not root and _is_unit(sub):
+            for p in sub._cadence_unit.all_param_objects():
+                owned_elsewhere[id(p)] = type(sub).__name__
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        prefix, module = stack.pop()
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            fqn = f"{prefix}{name}"
+            if id(p) in owned_elsewhere:
+                raise FullyShardError(
+                    f"parameter {fqn!r} is tied to a parameter of the nested fully_shard unit "
+                    f"{owned_elsewhere[id(p)]}: tying across units is not supported because "
+                    "each unit shards and reduces its own parameters. Fix: apply fully_shard to "
+                    "a module that contains every use of the tied parameter (e.g. the root)."
+                )
+            if isinstance(p, DTensor):
+                raise FullyShardError(
+                    f"parameter {fqn!r} is already a DTensor (fully_shard applied twice?); "
+                    "apply fully_shard once per module, bottom-up."
+                )
+            if p.dim() == 0:
+                raise FullyShardError(
+                    f"parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
+                    "give it shape (1,) instead."
+                )
+            info = by_id.get(id(p))
+            if info is None:
+                info = by_id[id(p)] = ParamInfo(fqn, [], p.shape, p.dtype, p.requires_grad)
+            info.registrations.append((module, name))
+        for child_name, child in reversed(list(module._modules.items())):
+            if child is not None and not _is_unit(child):
+                stack.append((f"{prefix}{child_name}.", child))
+    return list(by_id.values())
+
+
+def make_layout(params: list[ParamInfo], world: int, rank: int) -> int:
+    """Fill each param's chunk geometry (torch.chunk semantics, as DTensor); return S."""
+    offset = 0
+    for info in params:
+        dim0 = info.shape[0]
+        info.row_numel = math.prod(info.shape[1:])
+        info.chunk_rows = math.ceil(dim0 / world)
+        info.chunk_numel = info.chunk_rows * info.row_numel
+        info.local_rows = max(0, min(dim0, (rank + 1) * info.chunk_rows) - rank * info.chunk_rows)
+        info.offset = offset
+        offset += info.chunk_numel
+    return offset
+
+
+def make_sharded_param(
+    info: ParamInfo,
+    flat_shard: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+) -> nn.Parameter:
+    local = flat_shard.narrow(0, info.offset, info.local_numel).view(info.local_shape())
+    dt = DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=info.shape,
+        stride=torch.empty(info.shape, device="meta").stride(),
+    )
+    return nn.Parameter(dt, requires_grad=info.requires_grad)

@@ -1,0 +1,353 @@
+"""The runtime shared by every unit under one root: hooks, pending reductions, finalization.
+
+[Note: flags are read late]
+``set_requires_gradient_sync`` / ``set_reshard_after_backward`` / the manual-finalization
+flag only set attributes. The post-backward hook reads a unit's flags when it runs, and
+``finalize_backward`` reads them when it is called. Nothing ever overrides a flag
+temporarily (the objection raised against pytorch/pytorch#196640).
+
+[Note: one wait-and-cleanup path]
+The automatic end-of-backward callback and the public ``finalize_backward`` both end
+in ``Runtime.wait_and_cleanup``: wait reduce-scatters in issue order, issue and wait
+the HSDP all-reduces, write the sharded ``.grad`` of each unit, and pop each unit only
+after its write-back succeeded. A cleanup exception therefore leaves the remaining
+units queued, and a retry completes each exactly once.
+
+[Note: collective order]
+Every rank issues collectives in program order: all-gathers in forward/pre-backward
+hook order (prefetch included), reduce-scatters in post-backward order, and the
+deferred reductions of ``finalize_backward`` in reverse registration order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from cadence import _autograd
+from cadence.comm import Comm, EventLog, ReductionHandle
+from cadence.fsdp._api import FullyShardError
+from cadence.fsdp._unit import PendingReduction, ShardedState, Unit
+
+__all__ = ["Runtime", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Runtime:
+    """State shared by the units of one root (FSDP2's FSDPState + FSDPCommContext)."""
+
+    def __init__(self, root: Unit, units: list[Unit], event_log: EventLog | None) -> None:
+        self.root = root
+        self.units = units  # registration (bottom-up) order
+        self.event_log = event_log
+        for unit in units:
+            unit.comm = Comm(unit.shard_group, event_log=event_log, name="dp_shard")
+            if unit.replicate_group is not None:
+                unit.replicate_comm = Comm(
+                    unit.replicate_group, event_log=event_log, name="dp_replicate"
+                )
+        # -- flags --
+        self.manual_finalization = False
+        self.max_inflight_reductions = 2
+        # -- iteration state --
+        self.state = TrainingState.IDLE
+        self.forward_order: list[Unit] = []
+        self.last_forward_order: list[Unit] = []
+        self.backward_active = False
+        # -- reductions: see [Note: one wait-and-cleanup path] --
+        self.inflight: deque[PendingReduction] = deque()  # RS issued, not waited
+        self.retired: list[PendingReduction] = []  # RS waited (AR maybe issued), grads not written
+        self.handle: ReductionHandle | None = None
+        self.cleanup_fault: Callable[[Unit], None] | None = None  # test hook
+        # -- accounting --
+        self.peak_unsharded_bytes = 0
+        self.peak_inflight_reduce_bytes = 0
+        self.peak_inflight_reductions = 0
+
+    # -- checks ---------------------------------------------------------------
+
+    def check_no_pending_handle(self, what: str) -> None:
+        if self.handle is not None and not self.handle.done:
+            raise FullyShardError(
+                f"{what} while a finalize_backward() handle is still pending: its reductions "
+                "own the gradient buffers. Fix: call handle.wait() first."
+            )
+
+    def check_backward_finished(self, what: str) -> None:
+        if self.backward_active:
+            raise FullyShardError(
+                f"{what}: the previous backward did not finish (it probably raised), so its "
+                "reductions were never completed. Fix: call model.reset_iter_state() first."
+            )
+
+    # -- accounting -------------------------------------------------------------
+
+    def note_unsharded(self) -> None:
+        live = sum(u.unsharded_bytes for u in self.units)
+        self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, live)
+
+    def memory_stats(self) -> dict[str, int]:
+        inflight = sum(pr.input_bytes for pr in self.inflight)
+        return {
+            "sharded_param_bytes": sum(u.sharded_bytes for u in self.units),
+            "unsharded_param_bytes": sum(u.unsharded_bytes for u in self.units),
+            "peak_unsharded_param_bytes": self.peak_unsharded_bytes,
+            "accumulated_grad_bytes": sum(u.accumulated_bytes for u in self.units),
+            "inflight_reduce_bytes": inflight,
+            "peak_inflight_reduce_bytes": self.peak_inflight_reduce_bytes,
+            # gloo's reduce-scatter clones its whole input (all-reduce + chunk copy).
+            "gloo_hidden_reduce_bytes": self.peak_inflight_reduce_bytes,
+            "inflight_reductions": len(self.inflight),
+            "peak_inflight_reductions": self.peak_inflight_reductions,
+            "max_inflight_reductions": self.max_inflight_reductions,
+        }
+
+    # -- forward hooks ----------------------------------------------------------
+
+    def pre_forward(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if unit is self.root:
+            self.check_no_pending_handle("forward")
+            self.check_backward_finished("forward")
+            self.forward_order = []
+            self.state = TrainingState.FORWARD
+        if unit not in self.forward_order:
+            self.forward_order.append(unit)
+        unit.unshard(async_op=False)
+        self.note_unsharded()
+        self.prefetch(self.forward_targets(unit))
+        mp = unit.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            dtype = mp.param_dtype
+
+            def cast(x: Any) -> Any:
+                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+                    return x.to(dtype)
+                return x
+
+            args, kwargs = tree_map(cast, (args, kwargs))
+        return args, kwargs
+
+    def post_forward(self, unit: Unit, output: Any) -> Any:
+        grad_enabled = torch.is_grad_enabled()
+        if unit.reshard_after_forward:
+            unit.reshard()
+        if grad_enabled:
+            tensors, _ = tree_flatten(output)
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward_hook(unit))
+        if unit is self.root:
+            self.last_forward_order = list(self.forward_order)
+            self.state = TrainingState.IDLE
+            out_dtype = unit.mp_policy.output_dtype
+            if out_dtype is not None:
+                output = tree_map(
+                    lambda x: (
+                        x.to(out_dtype)
+                        if isinstance(x, torch.Tensor) and x.is_floating_point()
+                        else x
+                    ),
+                    output,
+                )
+        return output
+
+    def forward_targets(self, unit: Unit) -> list[Unit]:
+        if unit.forward_prefetch is not None:
+            return unit.forward_prefetch
+        order = self.last_forward_order
+        if unit in order:
+            i = order.index(unit)
+            if i + 1 < len(order):
+                return [order[i + 1]]
+        return []
+
+    def backward_targets(self, unit: Unit) -> list[Unit]:
+        if unit.backward_prefetch is not None:
+            return unit.backward_prefetch
+        order = self.forward_order
+        if unit in order:
+            i = order.index(unit)
+            if i > 0:
+                return [order[i - 1]]
+        return []
+
+    def prefetch(self, targets: list[Unit]) -> None:
+        for target in targets:
+            if target.state is ShardedState.SHARDED or target.stale:
+                target.unshard(async_op=True)
+
+    # -- backward hooks ---------------------------------------------------------
+
+    def _pre_backward_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.pre_backward(unit)
+
+        return hook
+
+    def pre_backward(self, unit: Unit) -> None:
+        if unit.pre_backward_done:
+            return
+        if not self.backward_active:
+            self.backward_active = True
+            self.state = TrainingState.BACKWARD
+            _autograd.queue_callback(self.final_callback)
+        unit.pre_backward_done = True
+        unit.unshard(async_op=False)
+        self.note_unsharded()
+        self.prefetch(self.backward_targets(unit))
+
+    def post_accumulate_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            unit.hooks_fired += 1
+            if unit.hooks_fired >= unit.num_grad_params:
+                self.post_backward(unit)
+
+        return hook
+
+    def post_backward(self, unit: Unit) -> None:
+        """Reshard per flag, then reduce now (sync) or accumulate locally (no sync)."""
+        if unit.post_backward_done:
+            return
+        unit.post_backward_done = True
+        grads = unit.take_unsharded_grads()
+        if unit.reshard_after_backward:
+            unit.reshard()
+        if unit.requires_gradient_sync:
+            rs_input = unit.reduce_input(grads)
+            if rs_input is not None:
+                self.issue_reduction(unit, rs_input)
+        elif grads is not None:
+            unit.accumulate(grads)
+
+    def issue_reduction(self, unit: Unit, rs_input: torch.Tensor) -> None:
+        # Bounded in-flight RS inputs (#186000): retire the oldest before issuing more.
+        while len(self.inflight) >= self.max_inflight_reductions:
+            self.retire(self.inflight.popleft())
+        assert unit.comm is not None
+        rs_output = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
+        work = unit.comm.reduce_scatter_single(
+            rs_output, rs_input.view(-1), op="avg", async_op=True
+        )
+        self.inflight.append(PendingReduction(unit, rs_input, rs_output, work))
+        self.peak_inflight_reductions = max(self.peak_inflight_reductions, len(self.inflight))
+        self.peak_inflight_reduce_bytes = max(
+            self.peak_inflight_reduce_bytes, sum(pr.input_bytes for pr in self.inflight)
+        )
+        # R4: a kept unsharded copy goes stale once the optimizer applies these grads;
+        # the next forward re-gathers it (reshard_after_backward=False is preserved).
+        if unit.state is not ShardedState.SHARDED:
+            unit.stale = True
+
+    def retire(self, pr: PendingReduction) -> None:
+        pr.rs_work.wait()
+        pr.rs_input = None  # free the (W, S) input as soon as the backend is done with it
+        if pr.unit.replicate_comm is not None:
+            # HSDP: the all-reduce over replicas needs the finished shard, so it is
+            # issued here, asynchronously, and waited in wait_and_cleanup.
+            pr.ar_work = pr.unit.replicate_comm.all_reduce(pr.rs_output, op="avg", async_op=True)
+        self.retired.append(pr)
+
+    def final_callback(self) -> None:
+        """End of the outermost backward: finish units whose hooks never fired."""
+        for unit in reversed(self.forward_order or self.units):
+            if unit.pre_backward_done and not unit.post_backward_done:
+                self.post_backward(unit)
+        for unit in self.units:
+            if unit.state is ShardedState.UNSHARDING:
+                unit.reshard()  # a prefetch nobody consumed
+            unit.pre_backward_done = False
+            unit.post_backward_done = False
+            unit.hooks_fired = 0
+        self.backward_active = False
+        self.state = TrainingState.IDLE
+        if not self.manual_finalization:
+            self.wait_and_cleanup()
+
+    # -- finalization -----------------------------------------------------------
+
+    def wait_and_cleanup(self) -> None:
+        """See [Note: one wait-and-cleanup path]."""
+        while self.inflight:
+            self.retire(self.inflight.popleft())
+        for pr in self.retired:
+            if pr.ar_work is not None:
+                pr.ar_work.wait()
+        while self.retired:
+            pr = self.retired[0]
+            if self.cleanup_fault is not None:
+                self.cleanup_fault(pr.unit)
+            pr.unit.write_sharded_grads(pr.rs_output)
+            self.retired.pop(0)
+
+    def finalize_backward(self, *, async_op: bool) -> ReductionHandle | None:
+        if _autograd.in_backward():
+            raise FullyShardError(
+                "finalize_backward() was called inside backward (from a hook?). It waits for "
+                "the reductions that backward launches. Fix: call it after loss.backward() "
+                "returns, on the caller's thread."
+            )
+        if self.handle is not None and not self.handle.done:
+            raise FullyShardError(
+                "finalize_backward() called again: wait on the previous finalize_backward() "
+                "handle before finalizing backward again (handle.wait())."
+            )
+        self.check_backward_finished("finalize_backward()")
+        # Follow the current flags: units whose sync flag is on now reduce what they
+        # accumulated; units still in no-sync mode keep accumulating.
+        for unit in reversed(self.units):
+            if unit.requires_gradient_sync and unit.accumulated is not None:
+                rs_input = unit.reduce_input(None)
+                assert rs_input is not None
+                self.issue_reduction(unit, rs_input)
+        if not self.inflight and not self.retired:
+            self.handle = None
+            return ReductionHandle.completed("fully_shard") if async_op else None
+        pending = list(self.inflight) + list(self.retired)
+        handle = ReductionHandle(
+            [pr.rs_work for pr in self.inflight],
+            on_complete=self.wait_and_cleanup,
+            keepalive=(pending,),
+            label="fully_shard",
+        )
+        self.handle = handle
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    def reset_iter_state(self) -> None:
+        """Discard in-flight reductions and no-sync accumulation after an aborted step."""
+        for pr in list(self.inflight) + self.retired:
+            pr.rs_work.wait()  # the backend may still write the buffers
+            if pr.ar_work is not None:
+                pr.ar_work.wait()
+        self.inflight.clear()
+        self.retired.clear()
+        self.handle = None
+        for unit in self.units:
+            unit.accumulated = None
+            unit.pre_backward_done = unit.post_backward_done = False
+            unit.hooks_fired = 0
+            for info in unit.params:
+                assert info.unsharded is not None
+                info.unsharded.grad = None
+            unit.reshard()
+        self.backward_active = False
+        self.state = TrainingState.IDLE
+
+    def reshard_all_idle(self, what: str) -> None:
+        if self.state is not TrainingState.IDLE or self.backward_active:
+            raise FullyShardError(f"{what} during forward/backward; call it between steps.")
+        for unit in self.units:
+            if unit.state is not ShardedState.SHARDED:
+                unit.reshard()

@@ -1,0 +1,307 @@
+"""One fully_shard unit: its flat shard, its unsharded buffer, one all-gather, one reduce-scatter.
+
+See [Note: cadence FSDP tensors] in ``_param.py`` for the layouts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from cadence.comm import Comm, CommWork, EventLog
+from cadence.fsdp._api import MixedPrecisionPolicy
+from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
+
+if TYPE_CHECKING:
+    from cadence.fsdp._state import Runtime
+
+__all__ = ["AllGatherState", "PendingReduction", "ShardedState", "Unit"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gather issued, not yet copied out
+    UNSHARDED = "unsharded"
+
+
+class AllGatherState(NamedTuple):
+    work: CommWork
+    output: torch.Tensor  # (W*S,) rank-major, param dtype
+    input: torch.Tensor  # (S,) kept alive while gloo reads it
+
+
+class PendingReduction:
+    """One unit's reduce-scatter (and HSDP all-reduce) in flight; owns its buffers."""
+
+    __slots__ = ("ar_work", "rs_input", "rs_output", "rs_work", "unit")
+
+    def __init__(
+        self, unit: Unit, rs_input: torch.Tensor, rs_output: torch.Tensor, rs_work: CommWork
+    ) -> None:
+        self.unit = unit
+        self.rs_input: torch.Tensor | None = rs_input  # (W, S) reduce dtype
+        self.rs_output = rs_output  # (S,) reduce dtype
+        self.rs_work = rs_work
+        self.ar_work: CommWork | None = None
+
+    @property
+    def input_bytes(self) -> int:
+        if self.rs_input is None:
+            return 0
+        return self.rs_input.numel() * self.rs_input.element_size()
+
+
+def _set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
+
+
+class Unit:
+    """Per-module sharding state (FSDP2's FSDPParamGroup)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[ParamInfo],
+        *,
+        shard_group: torch.distributed.ProcessGroup,
+        replicate_group: torch.distributed.ProcessGroup | None,
+        mesh: DeviceMesh,
+        placements: tuple[Placement, ...],
+        world: int,
+        rank: int,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | None,
+        device: torch.device,
+    ) -> None:
+        # -- identity and policy --
+        self.module = module
+        self.params = params
+        self.mp_policy = mp_policy
+        self.world = world
+        self.rank = rank
+        self.device = device
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.mesh = mesh
+        self.placements = placements
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"fully_shard({type(module).__name__}): parameters have mixed dtypes {dtypes}; "
+                "one unit all-gathers one flat buffer, so cast them to one dtype first or wrap "
+                "them in separate units."
+            )
+        self.orig_dtype = dtypes.pop() if dtypes else torch.float32
+        self.param_dtype, self.reduce_dtype, self.accum_dtype = mp_policy.resolve(self.orig_dtype)
+        # -- flags read late by the hooks (see [Note: flags are read late] in _state.py) --
+        self.reshard_after_forward_arg = reshard_after_forward
+        self.reshard_after_forward = (
+            True if reshard_after_forward is None else reshard_after_forward
+        )
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        # -- comm and runtime, set when the root's fully_shard call builds the runtime --
+        self.runtime: Runtime | None = None
+        self.event_log: EventLog | None = None
+        self.comm: Comm | None = None
+        self.replicate_comm: Comm | None = None
+        # -- sharded storage --
+        self.shard_numel = make_layout(params, world, rank)
+        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=device)  # 1D
+        with torch.no_grad():
+            for info in params:
+                reg_module, reg_name = info.registrations[0]
+                full = reg_module._parameters[reg_name]
+                assert full is not None
+                start = min(rank * info.chunk_rows, info.shape[0])
+                rows = full.detach().narrow(0, start, info.local_rows)
+                self.flat_shard.narrow(0, info.offset, info.local_numel).copy_(rows.reshape(-1))
+                info.sharded = make_sharded_param(info, self.flat_shard, mesh, placements)
+                info.register(info.sharded)
+        # -- unsharded storage: one buffer, freed by resizing its storage to 0 --
+        self.unsharded_flat = torch.empty(
+            world * self.shard_numel, dtype=self.param_dtype, device=device
+        )  # 1D, parameter-major
+        for info in params:
+            view = self.unsharded_flat.narrow(0, world * info.offset, info.numel).view(info.shape)
+            info.unsharded = nn.Parameter(view, requires_grad=info.requires_grad)
+        self._free_unsharded()
+        self.state = ShardedState.SHARDED
+        self.all_gather_state: AllGatherState | None = None
+        self.stale = False  # unsharded copy predates an optimizer step; see R4 in docs/fsdp.md
+        # -- gradients --
+        self.accumulated: torch.Tensor | None = None  # (W, S) accum dtype, no-sync accumulation
+        self.post_backward_done = False
+        self.pre_backward_done = False
+        self.hooks_fired = 0
+        self.forwarded = False
+        self.num_grad_params = sum(1 for p in params if p.requires_grad)
+        # -- prefetch lists --
+        self.forward_prefetch: list[Unit] | None = None
+        self.backward_prefetch: list[Unit] | None = None
+
+    # -- bookkeeping ----------------------------------------------------------
+
+    def all_param_objects(self) -> list[nn.Parameter]:
+        out: list[nn.Parameter] = []
+        for info in self.params:
+            assert info.sharded is not None and info.unsharded is not None
+            out += [info.sharded, info.unsharded]
+        return out
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return self.unsharded_flat.untyped_storage().nbytes()
+
+    @property
+    def accumulated_bytes(self) -> int:
+        acc = self.accumulated
+        return 0 if acc is None else acc.numel() * acc.element_size()
+
+    @property
+    def sharded_bytes(self) -> int:
+        return self.flat_shard.numel() * self.flat_shard.element_size()
+
+    @property
+    def name(self) -> str:
+        return type(self.module).__name__
+
+    # -- unshard / reshard ----------------------------------------------------
+
+    def _free_unsharded(self) -> None:
+        storage = self.unsharded_flat.untyped_storage()
+        if storage.nbytes():
+            storage.resize_(0)
+
+    def _alloc_unsharded(self) -> None:
+        storage = self.unsharded_flat.untyped_storage()
+        nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    def unshard(self, *, async_op: bool) -> None:
+        """Issue the all-gather (if needed); with ``async_op=False`` also finish it."""
+        if self.state is ShardedState.UNSHARDED and not self.stale:
+            return
+        if self.state is not ShardedState.UNSHARDING:
+            assert self.comm is not None, "lazy init must run before unshard"
+            if self.param_dtype == self.orig_dtype:
+                inp = self.flat_shard
+            else:
+                inp = self.flat_shard.to(self.param_dtype)
+            out = torch.empty(
+                self.world * self.shard_numel, dtype=self.param_dtype, device=self.device
+            )
+            work = self.comm.all_gather_single(out, inp, async_op=True)
+            self.all_gather_state = AllGatherState(work, out, inp)
+            self.state = ShardedState.UNSHARDING
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self.state is not ShardedState.UNSHARDING:
+            return
+        ag = self.all_gather_state
+        assert ag is not None
+        ag.work.wait()
+        self._alloc_unsharded()
+        src = ag.output.view(self.world, self.shard_numel)
+        unsharded = [info.unsharded for info in self.params]
+        # Autograd saved these parameters in forward; refilling their storage for the
+        # backward re-gather must not look like an in-place edit, so keep the versions.
+        versions = [t._version for t in unsharded]  # type: ignore[union-attr]
+        with torch.no_grad():
+            for info in self.params:
+                dst = self.unsharded_flat.narrow(
+                    0, self.world * info.offset, self.world * info.chunk_numel
+                ).view(self.world, info.chunk_numel)
+                dst.copy_(src.narrow(1, info.offset, info.chunk_numel))
+        _set_versions(unsharded, versions)  # type: ignore[arg-type]
+        self.all_gather_state = None
+        for info in self.params:
+            assert info.unsharded is not None
+            info.register(info.unsharded)
+        self.state = ShardedState.UNSHARDED
+        self.stale = False
+
+    def reshard(self) -> None:
+        if self.state is ShardedState.UNSHARDING:
+            # Finish the in-flight all-gather so the collective order stays identical on
+            # every rank; its result is simply dropped.
+            assert self.all_gather_state is not None
+            self.all_gather_state.work.wait()
+            self.all_gather_state = None
+        for info in self.params:
+            assert info.sharded is not None
+            info.register(info.sharded)
+        self._free_unsharded()
+        self.state = ShardedState.SHARDED
+        self.stale = False
+
+    # -- gradients --------------------------------------------------------------
+
+    def take_unsharded_grads(self) -> list[torch.Tensor] | None:
+        """The unsharded grads of this backward (zeros where unused), cleared from the params."""
+        grads: list[torch.Tensor] = []
+        any_grad = False
+        for info in self.params:
+            p = info.unsharded
+            assert p is not None
+            g = p.grad
+            p.grad = None
+            if g is None:
+                g = torch.zeros(info.shape, dtype=self.param_dtype, device=self.device)
+            else:
+                any_grad = True
+            grads.append(g)
+        return grads if any_grad else None
+
+    def chunk_cat(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.world, self.shard_numel, dtype=dtype, device=self.device)
+        torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=out)
+        return out  # (W, S)
+
+    def accumulate(self, grads: list[torch.Tensor]) -> None:
+        """No-sync: add this backward's grads into the unsharded accumulation buffer."""
+        if self.accumulated is None:
+            self.accumulated = self.chunk_cat(grads, self.accum_dtype)
+        else:
+            self.accumulated += self.chunk_cat(grads, self.accum_dtype)
+
+    def reduce_input(self, grads: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """The (W, S) reduce-scatter input: this backward's grads plus any accumulation."""
+        acc, self.accumulated = self.accumulated, None
+        if grads is None:
+            return None if acc is None else acc.to(self.reduce_dtype)
+        rs_in = self.chunk_cat(grads, self.reduce_dtype)
+        if acc is not None:
+            rs_in += acc
+        return rs_in
+
+    def write_sharded_grads(self, rs_output: torch.Tensor) -> None:
+        """View-out: the reduced (S,) output becomes (or is added to) each sharded ``.grad``."""
+        out = rs_output if rs_output.dtype == self.orig_dtype else rs_output.to(self.orig_dtype)
+        for info in self.params:
+            if not info.requires_grad:
+                continue
+            p = info.sharded
+            assert p is not None
+            local = out.narrow(0, info.offset, info.local_numel).view(info.local_shape())
+            if p.grad is None:
+                p.grad = DTensor.from_local(
+                    local,
+                    self.mesh,
+                    self.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+            else:
+                # Reduce-every-microbatch mode: accumulate in the sharded grad.
+                p.grad._local_tensor.add_(local)  # type: ignore[attr-defined]
