@@ -1,0 +1,154 @@
+"""``cadence train --pp N --schedule NAME``: pipeline training of the embedded model.
+
+Called by ``cadence/train.py`` (the CLI layer) with plain config values; this file
+owns everything pipeline-specific: splitting TinyGPT into stages, placing them,
+building the schedule runtime, the optimizer loop and loss logging.
+
+Data: every pipeline group sees the same global batch of a step
+(``MarkovTokens.batch(step, batch_size)``); with data parallelism each replica
+takes its equal slice, so the run is the same whatever the layout.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cadence.comm import Comm
+from cadence.models import GPTConfig, MarkovTokens, TinyGPT
+from cadence.topology import ParallelGroups
+
+__all__ = ["PipelineTrainConfig", "run_pipeline_training"]
+
+
+@dataclass(frozen=True)
+class PipelineTrainConfig:
+    """What ``cadence train --pp`` needs; every field has a CLI-friendly default.
+
+    Attributes:
+        schedule: generator name (gpipe, 1f1b, interleaved, looped_bfs, zb_h1, zbv, dualpipev).
+        n_microbatches: microbatches per step; ``0`` means ``2 * pp``.
+        chunks: stages per rank (v); ``0`` picks 1 for gpipe/1f1b and 2 otherwise.
+        steps: optimizer steps.
+        batch_size: global batch per step (split over dp replicas, then microbatches).
+        lr: AdamW learning rate.
+        seed: model init and data seed.
+        d_model, n_layers, n_heads, seq_len, vocab_size: the TinyGPT shape.
+    """
+
+    schedule: str = "1f1b"
+    n_microbatches: int = 0
+    chunks: int = 0
+    steps: int = 20
+    batch_size: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    seq_len: int = 32
+    vocab_size: int = 64
+
+
+_TWO_CHUNK = {"interleaved", "interleaved1f1b", "looped_bfs", "loopedbfs", "zbv", "dualpipev"}
+
+
+def _chunks(cfg: PipelineTrainConfig) -> int:
+    if cfg.chunks:
+        return cfg.chunks
+    return 2 if cfg.schedule.lower().replace("-", "_") in _TWO_CHUNK else 1
+
+
+def run_pipeline_training(
+    cfg: PipelineTrainConfig,
+    pg: ParallelGroups,
+    log_step: Callable[[int, float], None] | None = None,
+) -> dict[str, float | str | int]:
+    """Train TinyGPT with pipeline parallelism over ``pg.pp`` (and DP over ``pg.dp``).
+
+    Args:
+        cfg: the run's values (see `PipelineTrainConfig`).
+        pg: from ``cadence.init(Topology(..., pp=N))``.
+        log_step: called on every rank after each step as ``log_step(step, loss)``,
+            with the step's mean loss (the same value on every rank).
+
+    Returns:
+        ``{"first_loss", "final_loss", "steps", "step_time_median_s", "schedule",
+        "pp", "dp", "chunks", "n_microbatches"}``.
+    """
+    from cadence.pipeline._build import build_pipeline  # the schedule layer, lazily
+
+    pp = pg.topology.pp
+    dp = pg.topology.dp_size
+    v = _chunks(cfg)
+    m = cfg.n_microbatches or 2 * pp
+    if cfg.batch_size % (dp * m):
+        raise ValueError(
+            f"batch_size={cfg.batch_size} must be a multiple of dp ({dp}) x "
+            f"n_microbatches ({m}) = {dp * m}"
+        )
+    gcfg = GPTConfig(
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        d_model=cfg.d_model,
+        n_heads=cfg.n_heads,
+        n_layers=max(cfg.n_layers, pp * v),
+    )
+    torch.manual_seed(cfg.seed)
+    model = TinyGPT(gcfg)  # same init on every rank; each keeps only its stages
+    runtime = build_pipeline(
+        cfg.schedule,
+        model.split_stages(pp * v),
+        n_microbatches=m,
+        chunks=v,
+        groups=pg,
+        loss_fn=TinyGPT.loss,
+        data_parallel=dp > 1,
+    )
+    params = [p for st in runtime.stages.values() for p in st.module.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    data = MarkovTokens(cfg.vocab_size, cfg.seq_len, seed=cfg.seed)
+    pp_comm = Comm(pg.pp, name="pp-loss")
+    dp_comm = Comm(pg.dp, name="dp-loss") if dp > 1 else None
+    last_owner = runtime.placement[runtime.num_stages - 1]
+    dp_index = pg.coords.dp_replicate * pg.topology.dp_shard + pg.coords.dp_shard
+    first = final = float("nan")
+    times = []
+    for step in range(cfg.steps):
+        x, y = data.batch(step, cfg.batch_size)
+        share = cfg.batch_size // dp
+        x, y = (
+            x[dp_index * share : (dp_index + 1) * share],
+            y[dp_index * share : (dp_index + 1) * share],
+        )
+        t0 = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        runtime.step(x, target=y, losses=losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        # The loss lives on the last stage's rank; broadcast it (and average over DP).
+        loss_t = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1)
+        pp_comm.broadcast(loss_t, src=last_owner)
+        if dp_comm is not None:
+            dp_comm.all_reduce(loss_t, op="avg")
+        loss = float(loss_t)
+        first = loss if step == 0 else first
+        final = loss
+        if log_step is not None:
+            log_step(step, loss)
+    return {
+        "first_loss": first,
+        "final_loss": final,
+        "steps": cfg.steps,
+        "step_time_median_s": statistics.median(times) if times else float("nan"),
+        "schedule": cfg.schedule,
+        "pp": pp,
+        "dp": dp,
+        "chunks": v,
+        "n_microbatches": m,
+    }
