@@ -19,6 +19,7 @@ __all__ = [
     "apply_cadence",
     "apply_torch",
     "full_params",
+    "make_blocks",
     "make_mlp",
     "reference_steps",
     "train_steps",
@@ -49,6 +50,11 @@ class Blocks(nn.Module):
 
     def units(self) -> list[nn.Module]:
         return list(self.blocks)
+
+
+def make_blocks() -> Blocks:
+    torch.manual_seed(0)
+    return Blocks()
 
 
 def make_mlp() -> nn.Sequential:
@@ -106,19 +112,25 @@ class TinyTransformer(nn.Module):
         return list(self.layers)
 
 
-def apply_cadence(model: nn.Module, units: list[nn.Module], **kwargs: object) -> nn.Module:
+def apply_cadence(
+    model: nn.Module, units: list[nn.Module], unit_raf: bool | None = None, **kwargs: object
+) -> nn.Module:
+    """fully_shard bottom-up; ``unit_raf`` is reshard_after_forward for the nested units."""
     for u in units:
-        fully_shard(u, **kwargs)  # type: ignore[arg-type]
+        fully_shard(u, reshard_after_forward=unit_raf, **kwargs)  # type: ignore[arg-type]
     return fully_shard(model, **kwargs)  # type: ignore[arg-type]
 
 
-def apply_torch(model: nn.Module, units: list[nn.Module], **kwargs: object) -> nn.Module:
+def apply_torch(
+    model: nn.Module, units: list[nn.Module], unit_raf: bool | None = None, **kwargs: object
+) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for u in units:
-        torch_fully_shard(u, mesh=mesh, **kwargs)  # type: ignore[arg-type]
+        raf = True if unit_raf is None else unit_raf
+        torch_fully_shard(u, mesh=mesh, reshard_after_forward=raf, **kwargs)  # type: ignore[arg-type]
     return torch_fully_shard(model, mesh=mesh, **kwargs)  # type: ignore[arg-type]
 
 

@@ -312,6 +312,8 @@ def fully_shard(
         if u.state is not ShardedState.SHARDED:
             u.reshard()
         u.runtime = runtime
+        # None: nested units reshard, the root does not (backward would re-gather it at
+        # once, pytorch/pytorch#154704). An explicit value is honoured, as in FSDP2 2.13.
         arg = u.reshard_after_forward_arg
         u.reshard_after_forward = (u is not unit) if arg is None else arg
 

@@ -204,7 +204,8 @@ class Runtime:
         unit.pre_backward_done = True
         unit.unshard(async_op=False)
         self.note_unsharded()
-        self.prefetch(self.backward_targets(unit))
+        # A unit whose post-backward already ran (the root, typically) needs nothing.
+        self.prefetch([t for t in self.backward_targets(unit) if not t.post_backward_done])
 
     def post_accumulate_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
