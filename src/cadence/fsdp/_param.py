@@ -41,6 +41,7 @@ class ParamInfo:
     shape: torch.Size
     dtype: torch.dtype
     requires_grad: bool
+    orig_id: int = 0  # id() of the user's parameter, to detect ties into other units
     # -- layout (filled by make_layout) --
     row_numel: int = 0
     chunk_rows: int = 0
@@ -80,8 +81,8 @@ def collect_params(root: nn.Module) -> list[ParamInfo]:
     owned_elsewhere: dict[int, str] = {}
     for sub in root.modules():
         if sub is not root and _is_unit(sub):
-            for p in sub._cadence_unit.all_param_objects():
-                owned_elsewhere[id(p)] = type(sub).__name__
+            for p_id in sub._cadence_unit.all_param_ids():
+                owned_elsewhere[p_id] = type(sub).__name__
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
         prefix, module = stack.pop()
@@ -108,7 +109,9 @@ def collect_params(root: nn.Module) -> list[ParamInfo]:
                 )
             info = by_id.get(id(p))
             if info is None:
-                info = by_id[id(p)] = ParamInfo(fqn, [], p.shape, p.dtype, p.requires_grad)
+                info = by_id[id(p)] = ParamInfo(
+                    fqn, [], p.shape, p.dtype, p.requires_grad, orig_id=id(p)
+                )
             info.registrations.append((module, name))
         for child_name, child in reversed(list(module._modules.items())):
             if child is not None and not _is_unit(child):

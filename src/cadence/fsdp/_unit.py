@@ -148,11 +148,11 @@ class Unit:
 
     # -- bookkeeping ----------------------------------------------------------
 
-    def all_param_objects(self) -> list[nn.Parameter]:
-        out: list[nn.Parameter] = []
+    def all_param_ids(self) -> set[int]:
+        """ids of the user's, the sharded and the unsharded parameter objects."""
+        out: set[int] = set()
         for info in self.params:
-            assert info.sharded is not None and info.unsharded is not None
-            out += [info.sharded, info.unsharded]
+            out |= {info.orig_id, id(info.sharded), id(info.unsharded)}
         return out
 
     @property
