@@ -129,12 +129,15 @@ def build_channel_groups(
     pp_group: dist.ProcessGroup | None = None,
     preconnect: bool = True,
     event_log: EventLog | None = None,
+    local_error: str | None = None,
 ) -> ChannelGroups:
     """Check the plan on every rank, then create (or reuse) and preconnect the groups.
 
     Collective over the default group: every rank calls it with its own pp group's
     plan. ``digest`` is the plan's digest (placement + channels + version); it must
-    be equal on every rank.
+    be equal on every rank. ``local_error``: a misuse this rank found while setting
+    up; it travels with the vote so that *every* rank raises it instead of the
+    healthy ranks waiting for this one in a collective.
     """
     world = Comm(None, event_log=event_log, name="pp-setup")
     chans = tuple(sorted(set(channels)))
@@ -144,8 +147,15 @@ def build_channel_groups(
     if me not in pp_ranks_t:
         raise ValueError(f"rank {me} is not in its own pp_ranks {list(pp_ranks_t)}")
     # -- 1. the plan vote, before any group (see [Note: why the digest goes first])
-    mine = (digest, pp_ranks_t, chans, mode)
+    mine = (digest, pp_ranks_t, chans, mode, local_error)
     everyone = world.all_gather_object(mine)
+    errors = [(r, e[4]) for r, e in enumerate(everyone) if e[4]]
+    if errors:
+        raise PlanMismatchError(
+            "pipeline setup failed (no group was created):\n"
+            + "\n".join(f"  rank {r}: {msg}" for r, msg in errors)
+        )
+    everyone = [e[:4] for e in everyone]
     _check_plans(everyone)
     pp_groups = sorted({p for _, p, _, _ in everyone})
     # -- 2. create (collective over the world, identical order on every rank)

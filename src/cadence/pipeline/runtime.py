@@ -129,7 +129,13 @@ class PipelineRuntime:
         )
         self.pp_rank = self.pp_ranks.index(dist.get_rank())
         self.stages = {st.stage_index: st for st in stages}
-        self._check_stages()
+        # A local misuse is voted on with the plan (groups.py) rather than raised
+        # here, so that the other ranks fail with it instead of hanging.
+        local_error = None
+        try:
+            self._check_stages()
+        except ValueError as e:
+            local_error = str(e)
         self.local_ops = self.ops[self.pp_rank]
         self._sync = {s: StageGradSync(st.module) for s, st in self.stages.items()}
         self._last_backward = self._find_last_backwards()
@@ -145,6 +151,7 @@ class PipelineRuntime:
             rounds=rounds,
             pp_group=pp_group,
             event_log=event_log,
+            local_error=local_error,
         )
         self._comms = self.channel_groups.comms(event_log)
         self._meta_ready = False
@@ -209,16 +216,16 @@ class PipelineRuntime:
     # -- step -------------------------------------------------------------------
 
     def _split(self, inputs: Sequence[Any], target: torch.Tensor | None):
+        # Validate whatever this rank was given, even the inputs it does not use:
+        # with the usual SPMD call (same arguments everywhere) an uneven batch then
+        # fails on *every* rank here, instead of on one rank while its peers wait.
         m = self.n_microbatches
-        mbs = split_microbatches(inputs, m) if 0 in self.stages else [()] * m
+        mbs = split_microbatches(inputs, m)
+        targets = [t[0] for t in split_microbatches([target], m)] if target is not None else None
         last = self.num_stages - 1
-        if last in self.stages and self.loss_fn is not None:
-            if target is None:
-                raise ValueError("step() needs target= for the loss on the last stage")
-            targets = [t[0] for t in split_microbatches([target], m)]
-        else:
-            targets = [None] * m
-        return mbs, targets
+        if last in self.stages and self.loss_fn is not None and targets is None:
+            raise ValueError("step() needs target= for the loss on the last stage")
+        return mbs, targets or [None] * m
 
     def _run(self, inputs, target, losses, *, backward: bool, sync: bool):
         if backward and torch.is_grad_enabled() is False:
@@ -231,8 +238,15 @@ class PipelineRuntime:
         st = _StepState(mbs, targets)
         for s in self._sync.values():
             s.begin_step(sync and backward)
-        ops = self.local_ops if backward else [o for o in self.local_ops if _forward_only(o)]
-        expected_seq: dict[tuple, int] = {}
+        if backward:
+            ops = self.local_ops
+        else:
+            # Forward only: the F actions (also those inside an FB_OVERLAP) and the
+            # activation transfers. Dropping every gradient transfer on both ends keeps
+            # each channel's remaining sends and receives in matching FIFO order.
+            flat = [x for o in self.local_ops for x in (o.sub if o.kind == "FB_OVERLAP" else (o,))]
+            ops = [o for o in flat if _forward_only(o)]
+        expected_seq: dict[Any, int] = {"forward_only": not backward}
         for i, op in enumerate(ops):
             try:
                 self._execute(op, i, st, backward, expected_seq)
@@ -292,9 +306,11 @@ class PipelineRuntime:
         elif k == "LOCAL":
             self._local(op, st)
         elif k == "REDUCE_GRAD":
+            self._mark("pp_reduce_grad", op)
             self._sync[op.stage].reduce()
         elif k == "WAIT_REDUCE_GRAD":
             self._sync[op.stage].wait()
+            self._mark("pp_wait_reduce_grad", op)
         elif k == "UNSHARD":
             self._sync[op.stage].unshard()
         elif k == "RESHARD":
@@ -377,7 +393,8 @@ class PipelineRuntime:
         # otherwise the FIFO would pair it with the wrong message (design note §2.11 2).
         key = (op.channel, op.kind)
         expect = seqs.get(key, 0)
-        if op.seq is not None and op.seq != expect:
+        # (Forward-only runs drop the gradient ops, so the plan's numbers skip.)
+        if op.seq is not None and op.seq != expect and not seqs.get("forward_only"):
             raise RuntimeError(
                 f"{op}: sequence number {op.seq} on channel {op.channel} but this is "
                 f"op #{expect} on it; the lowered schedule is out of FIFO order"
@@ -414,6 +431,10 @@ class PipelineRuntime:
             )
         st.local[(dst, op.mb, op.grad)] = tensors
         self._count_local(op.stage, dst, op.mb, op.grad)
+
+    def _mark(self, name: str, op: Op) -> None:
+        if self.event_log is not None:
+            self.event_log.mark(name, stage=op.stage, mb=op.mb)
 
     def _count_local(self, src: int, dst: int, mb: int | None, grad: bool) -> None:
         self.local_handoffs += 1
@@ -466,8 +487,6 @@ def _forward_only(op: Op) -> bool:
         return True
     if op.kind in ("SEND", "RECV", "LOCAL"):
         return not op.grad
-    if op.kind == "FB_OVERLAP":
-        return False  # its F sub-action is kept via the filter below
     return op.kind in ("UNSHARD", "RESHARD")
 
 
