@@ -128,12 +128,12 @@ def body(args: dict) -> list[dict]:
         else:
             tsched = cls(tstages, n_microbatches=m, loss_fn=TinyGPT.loss)
 
-        def c_step():
+        def c_step(rt=rt, x=x, y=y, c_chunks=c_chunks):
             rt.step(x, target=y)
             for c in c_chunks:
                 c.zero_grad(set_to_none=True)
 
-        def t_step():
+        def t_step(tsched=tsched, x=x, y=y, mine=mine, t_chunks=t_chunks):
             tsched.step(*((x,) if 0 in mine else ()), target=y)
             for c in t_chunks:
                 c.zero_grad(set_to_none=True)
