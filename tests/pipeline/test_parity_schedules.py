@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cadence import EventLog
 from cadence.models import GPTConfig, MarkovTokens, TinyGPT
 from cadence.pipeline._build import build_pipeline, placement_for, torch_schedule_name
 from cadence.testing import max_abs_diff, named_grads, run_distributed
@@ -73,11 +74,21 @@ def body_parity(configs, source="cadence"):
         # cadence
         model = _model(n_stages)
         chunks = model.split_stages(n_stages)
+        log = EventLog()
         rt = build_pipeline(
-            name, chunks, n_microbatches=m, chunks=v, loss_fn=TinyGPT.loss, source=source
+            name,
+            chunks,
+            n_microbatches=m,
+            chunks=v,
+            loss_fn=TinyGPT.loss,
+            source=source,
+            event_log=log,
         )
+        log.clear()  # count one step, not the setup traffic
         losses: list = []
         rt.step(x, target=y, losses=losses)
+        p2p = [e for e in log.collectives() if e.kind in ("send", "recv")]
+        planned = [o for o in rt.local_ops if o.kind in ("SEND", "RECV")]
         c_losses = [float(v) for v in losses]
         c_grads = _stage_grads(chunks, mine)
         row = {
@@ -86,6 +97,14 @@ def body_parity(configs, source="cadence"):
             "loss_vs_ref": max_abs_diff(c_losses, ref_losses) if c_losses else 0.0,
             "has_losses": bool(c_losses),
             "n_losses": len(c_losses),
+            "channels": sorted({e.group for e in p2p}),
+            "op_channel_matches": len(planned) == len(p2p)
+            and all(
+                e.group == f"pp{o.channel[0]}->{o.channel[1]}" and e.kind == o.kind.lower()
+                for o, e in zip(planned, p2p)
+            ),
+            "local_fwd": sum(1 for e in log.marks("pp_local") if not e.meta["grad"]),
+            "local_bwd": sum(1 for e in log.marks("pp_local") if e.meta["grad"]),
         }
         # torch pipelining on the same model and schedule
         tmodel = _model(n_stages)
@@ -119,10 +138,24 @@ def _check(results, p):
         if n_loss_ranks != 1:
             problems.append(f"{config}: losses on {n_loss_ranks} ranks")
         for r in rows:
+            if not r["op_channel_matches"]:
+                problems.append(f"{config}: a P2P op ran on a channel other than its plan's")
             for key in ("grad_vs_ref", "loss_vs_ref", "grad_vs_torch", "loss_vs_torch"):
                 if key in r and not r[key] <= TOL:
                     problems.append(f"{config}: {key} = {r[key]:.3e}")
     assert not problems, "\n".join(problems)
+    for config, rows in by_config.items():
+        name = config.split()[0]
+        # V schedules: the turn (stage p-1 -> p) is on the last rank and issues no P2P:
+        # exactly m LOCAL hand-offs each way there, none elsewhere.
+        if name in ("zbv", "dualpipev"):
+            m = int(config.split("m=")[1].split()[0])
+            counts = [(r["local_fwd"], r["local_bwd"]) for r in rows]
+            assert sorted(counts) == [(0, 0)] * (p - 1) + [(m, m)], (config, counts)
+        # looped placements: the wrap-around (p-1 -> 0) and its gradient (0 -> p-1)
+        if name in ("interleaved", "looped_bfs") or "zb_h1 v=2" in config:
+            seen = set().union(*(r["channels"] for r in rows))
+            assert {f"pp{p - 1}->0", f"pp0->{p - 1}"} <= seen, (config, seen)
     return by_config
 
 
