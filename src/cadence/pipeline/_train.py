@@ -80,7 +80,7 @@ def run_pipeline_training(
         ``{"first_loss", "final_loss", "steps", "step_time_median_s", "schedule",
         "pp", "dp", "chunks", "n_microbatches"}``.
     """
-    from cadence.pipeline._build import build_pipeline  # the schedule layer, lazily
+    from cadence.pipeline._build import build_pipeline, placement_for
 
     pp = pg.topology.pp
     dp = pg.topology.dp_size
@@ -100,14 +100,24 @@ def run_pipeline_training(
     )
     torch.manual_seed(cfg.seed)
     model = TinyGPT(gcfg)  # same init on every rank; each keeps only its stages
+    chunks = model.split_stages(pp * v)
+    if dp > 1:
+        # Data parallelism inside each stage: the runtime drives it through the
+        # public timing verbs only (dp.py). fully_shard takes the ParallelGroups and
+        # shards over dp_shard / replicates over dp_replicate.
+        from cadence.fsdp import fully_shard
+
+        placement = placement_for(cfg.schedule, pp, v)
+        for s, r in placement.items():
+            if r == pg.coords.pp:
+                fully_shard(chunks[s], group=pg)
     runtime = build_pipeline(
         cfg.schedule,
-        model.split_stages(pp * v),
+        chunks,
         n_microbatches=m,
         chunks=v,
         groups=pg,
         loss_fn=TinyGPT.loss,
-        data_parallel=dp > 1,
     )
     params = [p for st in runtime.stages.values() for p in st.module.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
