@@ -6,6 +6,7 @@ caller says. See the README for the feature table and the overlap patterns.
 
 from cadence._dist_init import init
 from cadence.comm import Comm, CommEvent, CommWork, EventLog, ReductionHandle
+from cadence.data_parallel import DataParallel, WindowState
 from cadence.launch import LaunchError, launch
 from cadence.topology import Coords, ParallelGroups, Topology
 
@@ -16,11 +17,13 @@ __all__ = [
     "CommEvent",
     "CommWork",
     "Coords",
+    "DataParallel",
     "EventLog",
     "LaunchError",
     "ParallelGroups",
     "ReductionHandle",
     "Topology",
+    "WindowState",
     "__version__",
     "init",
     "launch",

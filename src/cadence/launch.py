@@ -82,10 +82,10 @@ def _free_port() -> int:
 def _dumps(obj: Any) -> bytes:
     # By value, so closures and lambdas reach the ranks (issue: pickler).
     try:
-        from cadence import pickling
+        from cadence.pickling import dumps
     except ImportError:  # pragma: no cover - the pickler ships with cadence
         return pickle.dumps(obj)
-    return pickling.dumps(obj)
+    return dumps(obj)
 
 
 def launch(

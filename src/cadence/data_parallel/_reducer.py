@@ -1,0 +1,395 @@
+"""The gradient-reduction state machine behind `DataParallel`.
+
+[Note: DP reduction windows]
+A *window* is one backward pass as seen by the reducer. It is armed when the
+backward starts: by the sink node on the wrapper's outputs (the first thing a
+backward through the module runs, and always in the caller's graph task) or,
+failing that, by the first parameter hook. The sync decision is read at that
+moment, so a setter flipped between forward and backward takes effect (pipeline
+schedules rely on this), and a forward inside ``no_sync()`` never syncs.
+
+In a syncing window each parameter's post-accumulate hook marks it ready; a
+bucket launches once all its parameters are ready *and* every earlier bucket has
+launched, so every rank issues the same collectives in the same order. The
+window is finalized (wait + write-back) either by the end-of-backward callback
+(automatic mode, queued from the outermost graph task so reentrant checkpointing
+cannot finalize early) or by the caller (`finalize_backward`).
+
+A non-syncing window only accumulates into ``.grad``; the reduction is owed
+and paid by the next syncing backward or by `finalize_backward` with sync on.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cadence import _autograd
+from cadence.comm import Comm, CommWork, ReductionHandle
+from cadence.data_parallel._buckets import Bucket
+from cadence.data_parallel.comm_hooks import GradBucket
+
+__all__ = ["ForwardToken", "Reducer", "WindowState"]
+
+
+class WindowState(enum.Enum):
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"  # local grads owe a reduction
+    REDUCING = "reducing"  # a syncing window has launched some buckets
+    LAUNCHED = "launched"  # every bucket launched, not yet finalized
+    FAILED = "failed"
+
+
+@dataclass
+class ForwardToken:
+    """What one forward recorded for the backward that follows it."""
+
+    no_sync: bool
+    used: set[int] | None = None  # param indices reachable from the outputs (find_unused)
+
+
+@dataclass
+class _Window:
+    sync: bool
+    task_id: int
+    counts: dict[int, int] = field(default_factory=dict)
+    pending: list[int] = field(default_factory=list)  # params still owed per bucket
+    works: list[CommWork | None] = field(default_factory=list)
+    next_bucket: int = 0
+    used_map_work: CommWork | None = None
+    used_map: torch.Tensor | None = None
+    learning: bool = False  # static_graph's first synced iteration
+
+
+class _FutureWork:
+    """Adapts a comm hook's ``torch.futures.Future`` to the `CommWork` interface."""
+
+    def __init__(self, fut: torch.futures.Future, bucket: Bucket) -> None:
+        self._fut = fut
+        self._bucket = bucket
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done or self._fut.done()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        value = self._fut.wait()
+        result = value[0] if isinstance(value, (list, tuple)) else value
+        if result is not None and result.data_ptr() != self._bucket.buffer.data_ptr():
+            self._bucket.buffer.copy_(result.reshape(-1))
+        self._done = True
+
+
+class Reducer:
+    """Owns the buckets, the current window and the hook logic. Not public."""
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        params: list[tuple[str, torch.nn.Parameter]],
+        comm: Comm,
+        *,
+        find_unused_parameters: bool,
+        static_graph: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        self.buckets = buckets
+        self.params = params
+        self.comm = comm
+        self.find_unused = find_unused_parameters
+        self.static_graph = static_graph
+        self.bucket_view = gradient_as_bucket_view
+        self.param_bucket: dict[int, int] = {}
+        for b in buckets:
+            for i in b.param_indices:
+                self.param_bucket[i] = b.index
+        self.expected_counts: dict[int, int] | None = None  # learned under static_graph
+        self.comm_hook: tuple[Any, Callable[..., Any]] | None = None
+        self.wire_divide = True  # pre-divide before SUM unless a custom hook owns averaging
+        # - per-iteration state
+        self.window: _Window | None = None
+        self.accumulating = False
+        self.handle: ReductionHandle | None = None
+        self.failure: BaseException | None = None
+        self.last_token: ForwardToken | None = None
+        self.manual = False
+        self.require_sync = True
+
+    # -- state queries --------------------------------------------------------
+
+    @property
+    def state(self) -> WindowState:
+        if self.failure is not None:
+            return WindowState.FAILED
+        w = self.window
+        if w is not None and w.sync:
+            return (
+                WindowState.LAUNCHED if w.next_bucket == len(self.buckets) else WindowState.REDUCING
+            )
+        if self.accumulating:
+            return WindowState.ACCUMULATING
+        return WindowState.IDLE
+
+    @property
+    def pending(self) -> bool:
+        """A syncing window (or an un-waited handle) has not been finalized."""
+        w = self.window
+        return (w is not None and w.sync) or (self.handle is not None and not self.handle.done)
+
+    def launched_buckets(self) -> int:
+        w = self.window
+        return w.next_bucket if w is not None and w.sync else 0
+
+    # -- errors raised before any collective ----------------------------------
+
+    def check_can_start(self, what: str) -> None:
+        if self.failure is not None:
+            raise RuntimeError(
+                f"cannot run {what}: a previous backward or finalize_backward failed "
+                f"({type(self.failure).__name__}: {self.failure}). Other ranks may be blocked "
+                "in a collective. Call dp.reset() on every rank before continuing."
+            )
+        if self.handle is not None and not self.handle.done:
+            raise RuntimeError(
+                f"cannot run {what}: finalize_backward(async_op=True) returned a handle that "
+                "has not been waited. Call handle.wait() first."
+            )
+        w = self.window
+        if w is not None and w.sync:
+            raise RuntimeError(
+                f"cannot run {what}: the previous synced backward launched its gradient "
+                f"all-reduces ({w.next_bucket} of {len(self.buckets)} buckets) but they were "
+                "never finalized. With require_manual_backward_finalization=True, call "
+                "dp.finalize_backward() (or wait its handle) after backward and before the "
+                "next forward or optimizer.step()."
+            )
+
+    # -- window lifecycle -------------------------------------------------------
+
+    def begin_backward(self, token: ForwardToken | None) -> None:
+        """Arm a window; called by the sink (or by the first hook as a fallback)."""
+        w = self.window
+        if w is not None and w.sync:
+            raise RuntimeError(
+                "a new backward started while the previous synced backward's reductions are "
+                "still pending. Call dp.finalize_backward() between the two backwards, or run "
+                "the earlier ones with set_requires_gradient_sync(False) / no_sync()."
+            )
+        no_sync = token.no_sync if token is not None else False
+        sync = self.require_sync and not no_sync
+        window = _Window(sync=sync, task_id=_autograd.current_graph_task_id())
+        self.window = window
+        if _autograd.in_backward():
+            _autograd.queue_callback(self.end_backward)
+        if not sync:
+            return
+        window.pending = [len(b.params) for b in self.buckets]
+        window.works = [None] * len(self.buckets)
+        if self.static_graph and self.expected_counts is None:
+            window.learning = True
+            return
+        if self.find_unused and token is not None and token.used is not None:
+            for i in range(len(self.params)):
+                if i not in token.used:
+                    self._mark_ready(i)
+        if self.expected_counts is not None:
+            for i, n in self.expected_counts.items():
+                if n == 0:
+                    self._mark_ready(i)
+        self._launch_ready()
+
+    def on_grad_ready(self, index: int) -> None:
+        """Post-accumulate-grad hook of parameter ``index``."""
+        w = self.window
+        if w is None:
+            self.begin_backward(self.last_token)
+            w = self.window
+            assert w is not None
+        if not w.sync:
+            self.accumulating = True
+            return
+        count = w.counts.get(index, 0) + 1
+        w.counts[index] = count
+        if w.learning:
+            return
+        expected = self.expected_counts.get(index, 1) if self.expected_counts else 1
+        bucket = self.param_bucket[index]
+        if count > expected:
+            if w.works[bucket] is not None:
+                name = self.params[index][0]
+                self.failure = RuntimeError(
+                    f"gradient of parameter '{name}' was accumulated {count} times in one "
+                    f"backward, after its bucket's all-reduce had launched (expected {expected}). "
+                    "This happens with reentrant activation checkpointing or a module used "
+                    "twice. Use DataParallel(static_graph=True), or "
+                    "torch.utils.checkpoint(..., use_reentrant=False)."
+                )
+                raise self.failure
+            return
+        if count == expected:
+            self._mark_ready(index)
+            self._launch_ready()
+
+    def _mark_ready(self, index: int) -> None:
+        w = self.window
+        assert w is not None
+        w.pending[self.param_bucket[index]] -= 1
+
+    def _launch_ready(self) -> None:
+        w = self.window
+        assert w is not None
+        while w.next_bucket < len(self.buckets) and w.pending[w.next_bucket] <= 0:
+            self._launch(w.next_bucket)
+            w.next_bucket += 1
+        if w.next_bucket == len(self.buckets) and self.find_unused and w.used_map_work is None:
+            self._launch_used_map()
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        w = self.window
+        assert w is not None
+        if not self.bucket_view:
+            grads = [p.grad for p in bucket.params]
+            present = [(v, g) for v, g in zip(bucket.views, grads) if g is not None]
+            if len(present) < len(grads):
+                bucket.buffer.zero_()
+            if present:
+                # One fused copy per bucket: the per-param hook only counts (hooks are hot).
+                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+        if self.comm_hook is not None:
+            state, hook = self.comm_hook
+            result = hook(state, GradBucket(bucket, self.comm, is_last=b == len(self.buckets) - 1))
+            if isinstance(result, torch.futures.Future):
+                result = _FutureWork(result, bucket)
+            w.works[b] = CommWork(result)
+            return
+        if self.wire_divide and self.comm.world_size > 1:
+            bucket.buffer.div_(self.comm.world_size)
+        w.works[b] = self.comm.all_reduce(bucket.buffer, async_op=True)
+
+    def _launch_used_map(self) -> None:
+        w = self.window
+        assert w is not None
+        used = torch.zeros(
+            len(self.params), dtype=torch.int32, device=self.buckets[0].buffer.device
+        )
+        for i, (_, p) in enumerate(self.params):
+            if p.grad is not None:
+                used[i] = 1
+        w.used_map = used
+        w.used_map_work = self.comm.all_reduce(used, async_op=True)
+
+    def end_backward(self) -> None:
+        """End-of-backward callback (queued from the graph task that armed the window)."""
+        w = self.window
+        if w is None or not w.sync:
+            # A non-syncing backward is over: the next one re-reads the flags.
+            self.window = None
+            return
+        if self.manual:
+            return
+        try:
+            self.finalize(blocking=True, end_of_backward=True)
+        except BaseException as exc:
+            self.failure = exc
+            raise
+
+    # -- finalization ---------------------------------------------------------
+
+    def finalize(self, *, blocking: bool, end_of_backward: bool = False) -> ReductionHandle | None:
+        """The one wait-and-write-back path, for the automatic callback and the caller.
+
+        ``end_of_backward``: called by the end-of-backward callback, where the
+        backward is over even though the graph task id is still set.
+        """
+        in_bwd = _autograd.in_backward() and not end_of_backward
+        if self.handle is not None and not self.handle.done:
+            raise RuntimeError(
+                "finalize_backward() called again before the previous handle was waited: "
+                "wait on the previous handle (handle.wait()) first."
+            )
+        w = self.window
+        if w is not None and w.sync:
+            if in_bwd and (w.learning or w.next_bucket < len(self.buckets)):
+                raise RuntimeError(
+                    f"finalize_backward() was called inside backward, but only {w.next_bucket} "
+                    f"of {len(self.buckets)} buckets have launched. Finalize from a hook that "
+                    "runs after every wrapped parameter's gradient is ready, or after "
+                    "backward returns."
+                )
+        elif self.accumulating and self.require_sync and not in_bwd:
+            # Deferred reduction: pay the owed all-reduce of the accumulated grads now.
+            w = _Window(sync=True, task_id=-1)
+            w.pending = [0] * len(self.buckets)
+            w.works = [None] * len(self.buckets)
+            self.window = w
+        else:
+            return None
+        missing = self._flush()
+        handle = ReductionHandle(
+            [x for x in w.works if x is not None]
+            + ([w.used_map_work] if w.used_map_work is not None else []),
+            on_complete=lambda: self._complete(w, missing),
+            label="DataParallel gradients",
+        )
+        if blocking:
+            handle.wait()
+            return None
+        self.handle = handle
+        return handle
+
+    def _flush(self) -> list[str]:
+        """Launch every bucket not yet launched, in order; return params that never got a grad."""
+        w = self.window
+        assert w is not None
+        missing: list[str] = []
+        if w.learning:
+            self.expected_counts = {i: w.counts.get(i, 0) for i in range(len(self.params))}
+        elif not self.find_unused and w.task_id != -1:
+            expected = self.expected_counts or {}
+            for i, (name, _) in enumerate(self.params):
+                if w.counts.get(i, 0) < expected.get(i, 1):
+                    missing.append(name)
+        while w.next_bucket < len(self.buckets):
+            self._launch(w.next_bucket)
+            w.next_bucket += 1
+        if self.find_unused and w.used_map_work is None:
+            self._launch_used_map()
+        return missing
+
+    def _complete(self, w: _Window, missing: list[str]) -> None:
+        globally_unused: set[int] = set()
+        if w.used_map is not None:
+            globally_unused = {i for i, n in enumerate(w.used_map.tolist()) if n == 0}
+        for bucket in self.buckets:
+            for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
+                if i in globally_unused:
+                    continue  # as torch DDP: a param no rank used keeps its .grad
+                if self.bucket_view:
+                    continue  # .grad is the view; the all-reduce ran in place
+                if p.grad is None:
+                    p.grad = view.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(view)
+        self.window = None
+        self.accumulating = False
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) received no gradient in a synced backward: "
+                f"{shown}. Their buckets were reduced with zeros so that no rank hangs. If "
+                "some parameters are legitimately unused, pass "
+                "DataParallel(find_unused_parameters=True)."
+            )
+
+    def reset(self) -> None:
+        self.window = None
+        self.accumulating = False
+        self.handle = None
+        self.failure = None

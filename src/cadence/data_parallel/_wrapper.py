@@ -1,0 +1,362 @@
+"""`DataParallel`: bucketed all-reduce overlapped with backward, finalized when the caller says.
+
+See [Note: DP reduction windows] in ``_reducer.py`` for the state machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+from cadence import _autograd
+from cadence.comm import Comm, EventLog, ReductionHandle
+from cadence.data_parallel._buckets import build_buckets
+from cadence.data_parallel._reducer import ForwardToken, Reducer, WindowState
+from cadence.topology import ParallelGroups
+
+__all__ = ["DataParallel"]
+
+
+class _Sink(torch.autograd.Function):
+    """Identity on the wrapper's outputs whose backward marks the start of a backward.
+
+    It runs before any wrapped parameter's gradient, in the graph task of the
+    caller's ``backward()``, which is where the window is armed and the
+    end-of-backward callback is queued (never from a nested reentrant task).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, reducer: Reducer, token: ForwardToken, *tensors: torch.Tensor) -> Any:
+        ctx.reducer = reducer
+        ctx.token = token
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.reducer.begin_backward(ctx.token)
+        return (None, None, *grads)
+
+
+def _used_params(outputs: list[torch.Tensor], index_of: dict[int, int]) -> set[int]:
+    """Parameter indices reachable from ``outputs`` through the autograd graph."""
+    used: set[int] = set()
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)
+        if var is not None and id(var) in index_of:
+            used.add(index_of[id(var)])
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return used
+
+
+class DataParallel(nn.Module):
+    """Replicated data parallelism with caller-controlled gradient finalization.
+
+    Gradients are packed into buckets (reverse registration order, a small last
+    bucket) whose all-reduces launch asynchronously during backward as soon as
+    each bucket is ready, in the same order on every rank.
+
+    Finalization (wait + write the averaged gradients into ``.grad``):
+    - automatic (default): at the end of the outermost backward, as torch DDP;
+    - manual (``require_manual_backward_finalization = True``): backward only
+      launches; call ``finalize_backward()`` (blocking) or
+      ``finalize_backward(async_op=True)`` (returns a `ReductionHandle`) when
+      you want the result, e.g. after sparse work or from a backward hook.
+
+    Args:
+        module: the model replica.
+        group: a ProcessGroup, a `ParallelGroups` (uses its ``dp`` group) or None (world).
+        bucket_cap_mb: bucket size cap in MiB (parameters are never split).
+        first_bucket_cap_mb: cap of the bucket holding the first-registered
+            parameters, reduced last; small so the exposed tail is short.
+        reduce_dtype: dtype on the wire (e.g. ``torch.bfloat16``); ``.grad`` keeps
+            the parameter dtype, so accumulation stays in full precision.
+        gradient_as_bucket_view: ``.grad`` is a view into the bucket (no copies).
+        find_unused_parameters: parameters may get no gradient; one extra small
+            all-reduce per step finds the globally unused ones (their ``.grad``
+            is left untouched, as DDP).
+        static_graph: the set of used parameters and their gradient counts per
+            backward are fixed; learned on the first synced step (no overlap on
+            that step). Allows reentrant checkpointing and reused modules.
+        broadcast_buffers: broadcast buffers from rank 0 at every forward.
+        event_log: record collectives here (a fresh log is used otherwise; see
+            ``dp.event_log``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: dist.ProcessGroup | ParallelGroups | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float | None = 1.0,
+        reduce_dtype: torch.dtype | None = None,
+        gradient_as_bucket_view: bool = False,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        broadcast_buffers: bool = True,
+        event_log: EventLog | None = None,
+    ) -> None:
+        super().__init__()
+        if bucket_cap_mb <= 0 or (first_bucket_cap_mb is not None and first_bucket_cap_mb <= 0):
+            raise ValueError(
+                f"bucket caps must be positive, got bucket_cap_mb={bucket_cap_mb}, "
+                f"first_bucket_cap_mb={first_bucket_cap_mb}"
+            )
+        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+            raise ValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(
+                "DataParallel needs a module with at least one parameter requiring grad"
+            )
+        if (
+            gradient_as_bucket_view
+            and reduce_dtype is not None
+            and any(p.dtype != reduce_dtype for _, p in named)
+        ):
+            raise ValueError(
+                "gradient_as_bucket_view=True needs the wire dtype to equal the parameter dtype; "
+                "drop reduce_dtype or set gradient_as_bucket_view=False"
+            )
+        for n, p in named:
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError(f"parameter '{n}' is not a dense strided tensor")
+        self.module = module
+        if isinstance(group, ParallelGroups):
+            group = group.dp
+        self.event_log = event_log if event_log is not None else EventLog()
+        self._comm = Comm(group, event_log=self.event_log, name="dp")
+        self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._no_sync_depth = 0
+        self._verify_and_broadcast(named)
+        buckets = build_buckets(
+            named,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            reduce_dtype=reduce_dtype,
+        )
+        self._reducer = Reducer(
+            buckets,
+            named,
+            self._comm,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._reducer.on_grad_ready(i))
+            for i, (_, p) in enumerate(named)
+        ]
+        if gradient_as_bucket_view:
+            self._attach_bucket_views()
+
+    # -- construction ---------------------------------------------------------
+
+    def _verify_and_broadcast(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        if self._comm.world_size == 1:
+            return
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        everyone = self._comm.all_gather_object(mine)
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                diff = next(
+                    (f"{a} vs {b}" for a, b in zip(everyone[0], theirs) if a != b),
+                    f"{len(everyone[0])} vs {len(theirs)} parameters",
+                )
+                raise ValueError(
+                    f"DataParallel: rank {rank} has different parameters than rank 0 ({diff}). "
+                    "Every rank must wrap an identical model."
+                )
+        with torch.no_grad():
+            self._broadcast_tensors([p for _, p in named])
+            self._broadcast_tensors(list(self.module.buffers()))
+
+    def _broadcast_tensors(self, tensors: list[torch.Tensor]) -> None:
+        # One broadcast per dtype (coalesced), not one per tensor.
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self._comm.broadcast(flat, src=0)
+            offset = 0
+            for t in group:
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _attach_bucket_views(self) -> None:
+        for bucket in self._reducer.buckets:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None:
+                    view.zero_()
+                    p.grad = view
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+
+    # -- timing API -------------------------------------------------------------
+
+    @property
+    def require_manual_backward_finalization(self) -> bool:
+        return self._reducer.manual
+
+    @require_manual_backward_finalization.setter
+    def require_manual_backward_finalization(self, enabled: bool) -> None:
+        self.set_manual_backward_finalization(enabled)
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Backward launches reductions; the caller finalizes (see `finalize_backward`)."""
+        if _autograd.in_backward():
+            raise RuntimeError(
+                "set_manual_backward_finalization() cannot be called during backward; set it "
+                "before the forward whose backward it should govern."
+            )
+        if not enabled and self._reducer.pending:
+            raise RuntimeError(
+                "cannot turn manual finalization off while reductions are pending; call "
+                "finalize_backward() first."
+            )
+        self._reducer.manual = bool(enabled)
+
+    @property
+    def should_finalize_after_backward(self) -> bool:
+        """After forward: will the coming backward leave reductions for the caller to finalize?"""
+        return self._reducer.manual and self._will_sync()
+
+    def _will_sync(self) -> bool:
+        return self._reducer.require_sync and self._no_sync_depth == 0
+
+    def set_requires_gradient_sync(self, enabled: bool) -> None:
+        """Whether backwards reduce. Read when each backward *starts*, not at forward."""
+        if _autograd.in_backward():
+            raise RuntimeError(
+                "set_requires_gradient_sync() cannot be called during backward: the sync "
+                "decision of a backward is taken when it starts."
+            )
+        self._reducer.require_sync = bool(enabled)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP-compatible: backwards inside, and backwards of forwards run inside, accumulate."""
+        previous = self._reducer.require_sync
+        self._reducer.require_sync = False
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+            self._reducer.require_sync = previous
+
+    def finalize_backward(self, *, async_op: bool = False) -> ReductionHandle | None:
+        """Wait for the gradient all-reduces and write the averaged grads into ``.grad``.
+
+        - After backward: launches any bucket not yet launched, then waits.
+        - Inside backward (e.g. a tensor hook): allowed once every bucket has launched.
+        - After ``no_sync`` accumulation with sync re-enabled: reduces the accumulated
+          grads once (deferred reduction), no extra forward/backward needed.
+        - Nothing pending: a no-op returning None.
+
+        With ``async_op=True`` returns a `ReductionHandle`; ``.grad`` is valid after
+        ``handle.wait()``, which must happen before the next forward.
+        """
+        return self._reducer.finalize(blocking=not async_op)
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Make ``optimizer.step()`` raise while reductions are pending (before it reads grads)."""
+
+        def _check(*_: Any) -> None:
+            self._reducer.check_can_start("optimizer.step()")
+
+        return optimizer.register_step_pre_hook(_check)
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """Replace the all-reduce of each bucket (torch DDP signature; one hook per wrapper)."""
+        if self._reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook() may be called only once per DataParallel")
+        if self._reducer.pending:
+            raise RuntimeError("register_comm_hook() cannot be called while reductions are pending")
+        self._reducer.comm_hook = (state, hook)
+        self._reducer.wire_divide = False  # hooks get un-divided buckets (DDP contract)
+
+    def reset(self) -> None:
+        """Drop window state after an exception in backward or finalize (call on every rank)."""
+        self._reducer.reset()
+
+    # -- state ------------------------------------------------------------------
+
+    @property
+    def state(self) -> WindowState:
+        return self._reducer.state
+
+    @property
+    def pending(self) -> bool:
+        return self._reducer.pending
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._reducer.buckets)
+
+    def bucket_param_names(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [list(b.names) for b in self._reducer.buckets]
+
+    def stats(self) -> dict[str, float]:
+        """Collective counts, bytes, and communication time hidden vs exposed (seconds)."""
+        events = self.event_log.collectives("all_reduce")
+        exposed = sum(
+            e.wait_end_t - e.wait_start_t for e in events if e.wait_end_t and e.wait_start_t
+        )
+        in_flight = sum(e.wait_start_t - e.issue_t for e in events if e.wait_start_t)
+        return {
+            "all_reduces": float(len(events)),
+            "bytes": float(sum(e.nbytes for e in events)),
+            "exposed_s": exposed,
+            "overlapped_s": in_flight,
+        }
+
+    # -- forward ----------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._reducer.check_can_start("the next forward")
+        if self.gradient_as_bucket_view:
+            self._attach_bucket_views()
+        if self.broadcast_buffers and self._comm.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                with torch.no_grad():
+                    self._broadcast_tensors(buffers)
+        out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        flat, spec = pytree.tree_flatten(out)
+        positions = [
+            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        # Only the context manager is recorded: the setter is read when backward starts.
+        token = ForwardToken(no_sync=self._no_sync_depth > 0)
+        self._reducer.last_token = token
+        if not positions:
+            return out
+        tensors = [flat[i] for i in positions]
+        if self._reducer.find_unused:
+            token.used = _used_params(tensors, self._index_of)
+        sunk = _Sink.apply(self._reducer, token, *tensors)
+        for i, t in zip(positions, sunk):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, spec)
