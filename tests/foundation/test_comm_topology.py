@@ -1,0 +1,83 @@
+"""The collective adapter, handles, the event log and topology groups."""
+
+from __future__ import annotations
+
+import pytest
+
+import cadence
+from cadence.testing import run_distributed
+from tests.foundation import _bodies as B
+
+
+@pytest.fixture(scope="module")
+def world3() -> list[dict]:
+    return run_distributed(B.collectives, 3, world_size=3)
+
+
+def test_reductions(world3: list[dict]) -> None:
+    for r in world3:
+        assert r["avg"] == [2.0] * 4  # (1 + 2 + 3) / 3, via SUM + divide on gloo
+        assert r["sum"] == [6.0] * 4
+        assert r["all_gather"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+        assert r["broadcast"] == [0.0] * 3
+    # reduce-scatter of arange(6) from 3 ranks, averaged: rank r gets [2r, 2r+1].
+    assert [r["reduce_scatter_avg"] for r in world3] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+
+
+def test_handle_wait_is_idempotent(world3: list[dict]) -> None:
+    r = world3[0]
+    assert r["on_complete_calls"] == 1
+    assert r["handle_done"]
+
+
+def test_handle_retry_after_cleanup_exception_completes_once(world3: list[dict]) -> None:
+    r = world3[0]
+    assert r["first_wait_raised"] and not r["done_after_failure"]
+    assert r["attempts"] == 2
+
+
+def test_event_log_counts_order_and_bytes(world3: list[dict]) -> None:
+    r = world3[0]
+    assert r["counts"]["all_reduce"] == 4
+    assert r["counts"]["all_gather"] == 1 and r["counts"]["reduce_scatter"] == 1
+    assert r["counts"]["broadcast"] == 1
+    assert r["order"]  # issue <= mark <= wait start <= wait end
+    assert r["bytes"] == 8 * 4
+
+
+def test_point_to_point_and_objects(world3: list[dict]) -> None:
+    assert world3[0]["p2p"] == [1.0] * 3
+    assert world3[1]["p2p"] == [0.0] * 3
+    assert world3[2]["objects"] == [{"r": 0}, {"r": 1}, {"r": 2}]
+
+
+def test_topology_validation_names_the_numbers() -> None:
+    with pytest.raises(
+        ValueError, match="dp_replicate=2 x dp_shard=2 x pp=1 = 4, but the world size is 3"
+    ):
+        cadence.Topology(dp_replicate=2, dp_shard=2).validate(3)
+    with pytest.raises(ValueError, match="positive int"):
+        cadence.Topology(dp_shard=0)
+    with pytest.raises(ValueError, match="positive int"):
+        cadence.Topology(pp=1.5)  # type: ignore[arg-type]
+
+
+def test_rank_layout_pipeline_outermost() -> None:
+    topo = cadence.Topology(dp_replicate=2, dp_shard=2, pp=2)
+    assert topo.world_size == 8
+    assert topo.coords(5) == (1, 0, 1)
+    assert all(topo.rank_of(topo.coords(r)) == r for r in range(8))
+    assert topo.groups_of("dp_shard") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topo.groups_of("dp_replicate") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topo.groups_of("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.groups_of("dp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_topology_groups_at_world4() -> None:
+    results = run_distributed(B.topology_groups, world_size=4)
+    assert [r["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert results[0]["dp"] == (4, 6.0)
+    assert results[0]["dp_shard"] == (2, 1.0)  # ranks 0 + 1
+    assert results[0]["dp_replicate"] == (2, 2.0)  # ranks 0 + 2
+    assert results[3]["dp_replicate"] == (2, 4.0)  # ranks 1 + 3
+    assert results[0]["pp"] == (1, 0.0)

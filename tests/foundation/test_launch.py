@@ -1,0 +1,69 @@
+"""The launcher: results, environment, and every failure mode stops every rank."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import cadence
+from cadence.testing import run_distributed
+from tests.foundation import _bodies as B
+
+
+def test_results_and_environment() -> None:
+    results = run_distributed(B.env_and_threads, world_size=3)
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    for r in results:
+        assert r["world"] == 3 and r["env_rank"] == r["rank"] == r["local_rank"]
+        assert r["threads"] == 1
+        assert r["backend"] == "gloo"
+
+
+def test_a_raising_rank_stops_all_and_names_itself() -> None:
+    start = time.monotonic()
+    with pytest.raises(cadence.LaunchError) as info:
+        run_distributed(B.raise_on_rank1, world_size=2, timeout=60)
+    err = info.value
+    assert err.rank == 1
+    assert "ValueError: boom from rank 1" in str(err)
+    assert "raise_on_rank1" in err.remote_traceback  # the remote frame is shown
+    # Stopped promptly instead of waiting for the collective timeout (60 s).
+    assert time.monotonic() - start < 40
+
+
+def test_a_dying_rank_stops_all() -> None:
+    with pytest.raises(cadence.LaunchError) as info:
+        run_distributed(B.exit_on_rank1, world_size=2, timeout=60)
+    assert info.value.rank == 1
+    assert info.value.failure.exit_code == 3
+    assert "exited with code 3" in str(info.value)
+
+
+def test_a_hanging_rank_times_out_and_no_process_is_left(tmp_path: Path) -> None:
+    with pytest.raises(cadence.LaunchError) as info:
+        run_distributed(B.write_pid_then_hang, str(tmp_path / "pid"), world_size=2, timeout=8)
+    assert info.value.failure.reason == "timeout"
+    assert "did not finish within the timeout" in str(info.value)
+    for rank in range(2):
+        pid = int((tmp_path / f"pid.{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_collective_hang_is_reported_with_the_hung_ranks() -> None:
+    with pytest.raises(cadence.LaunchError) as info:
+        run_distributed(B.hang_forever, world_size=2, timeout=8)
+    ranks = {info.value.rank, *(o.rank for o in info.value.others)}
+    assert ranks == {0, 1}
+
+
+def test_launch_accepts_bad_nprocs_early() -> None:
+    with pytest.raises(ValueError, match="nprocs"):
+        cadence.launch(B.env_and_threads, nprocs=0)
+
+
+def test_init_reuses_existing_group() -> None:
+    assert run_distributed(B.init_twice, world_size=2) == [2, 2]
