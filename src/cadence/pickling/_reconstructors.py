@@ -1,0 +1,242 @@
+"""Reconstructors and state setters: the functions a payload calls while it loads.
+
+A payload names these by ``cadence.pickling._reconstructors.<name>``, so their names and
+signatures are part of the format: never rename or remove one without bumping
+``FORMAT_VERSION`` in ``_signed.py``, and keep the old name as an alias.
+
+Each by-value object is rebuilt in two steps. A *skeleton* (``_make_*``) is created and
+memoized first; its *state* (``_*_setstate``) is applied afterwards, so state that points
+back at the object (a recursive closure, ``wrapper.me = wrapper``, a method's
+``__class__`` cell) finds it in the memo instead of recursing forever.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import importlib
+import sys
+import types
+import typing
+import weakref
+from typing import Any
+
+# Everything not listed here is private to cadence.pickling.
+__all__ = [
+    "_cell_setstate",
+    "_class_setstate",
+    "_dataclass_sentinel",
+    "_function_setstate",
+    "_import_module",
+    "_make_cell",
+    "_make_code",
+    "_make_dynamic_module",
+    "_make_function",
+    "_make_skeleton_class",
+    "_make_skeleton_enum",
+    "_make_typevar",
+    "class_tracker_id",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# Modules and sentinels
+# ---------------------------------------------------------------------------------------
+
+
+def _import_module(name: str) -> types.ModuleType:
+    return importlib.import_module(name)
+
+
+def _make_dynamic_module(name: str, namespace: dict[str, Any]) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__dict__.update(namespace)
+    module.__dict__["__builtins__"] = builtins
+    return module
+
+
+def _dataclass_sentinel(name: str) -> Any:
+    # dataclasses compares these by identity (``f._field_type is _FIELD``); a copy made
+    # by value would make ``fields()`` of a rebuilt dataclass come back empty.
+    return getattr(dataclasses, name)
+
+
+def _make_typevar(
+    name: str, bound: Any, constraints: tuple[Any, ...], covariant: bool, contravariant: bool
+) -> Any:
+    return typing.TypeVar(
+        name, *constraints, bound=bound, covariant=covariant, contravariant=contravariant
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Code, cells and functions
+# ---------------------------------------------------------------------------------------
+
+
+def _make_code(version: tuple[int, int], args: tuple[Any, ...]) -> types.CodeType:
+    # Bytecode does not cross minor versions (the marshal docs say so). Without this check
+    # a 3.12 payload on 3.11 fails somewhere inside CodeType with a positional-arg error or,
+    # worse, builds code that crashes the interpreter when called.
+    here = tuple(sys.version_info[:2])
+    if tuple(version) != here:
+        import pickle
+
+        raise pickle.UnpicklingError(
+            f"this payload holds bytecode compiled by Python {version[0]}.{version[1]}, "
+            f"but this is Python {here[0]}.{here[1]}: code objects do not cross Python "
+            "versions; load it with the same Python version that dumped it"
+        )
+    return types.CodeType(*args)
+
+
+def _make_cell() -> types.CellType:
+    return types.CellType()
+
+
+def _cell_setstate(cell: types.CellType, contents: Any) -> None:
+    cell.cell_contents = contents
+
+
+def _make_function(
+    code: types.CodeType,
+    base_globals: dict[str, Any],
+    name: str,
+    closure: tuple[types.CellType, ...] | None,
+) -> types.FunctionType:
+    # A function captures its builtins when it is created (3.10+), so they must be in
+    # place now; the real module, never a pickled copy of its dict.
+    base_globals.setdefault("__builtins__", builtins)
+    return types.FunctionType(code, base_globals, name, None, closure)
+
+
+_UNSET = object()
+
+
+def _function_setstate(func: types.FunctionType, state: dict[str, Any]) -> None:
+    """Apply a function's state once the function exists (and is memoized).
+
+    ``globals`` goes into the shared rebuilt dict (other functions of the same module in
+    this payload see the same dict); ``closure`` fills the cells, which are shared
+    objects, so a cell shared by two functions stays shared. ``__dict__`` comes before
+    ``__type_params__``: on 3.10/3.11 there is no slot for the latter and it lives in
+    ``__dict__``.
+    """
+    g = state.get("globals")
+    if g:
+        func.__globals__.update(g)
+    closure = state.get("closure")
+    if closure:
+        freevars = func.__code__.co_freevars
+        cells = func.__closure__ or ()
+        for name, value in closure.items():
+            cells[freevars.index(name)].cell_contents = value
+    d = state.get("dict")
+    if d:
+        func.__dict__.update(d)
+    tp = state.get("type_params", _UNSET)
+    if tp is not _UNSET:
+        func.__type_params__ = tp  # type: ignore[attr-defined]
+    if "defaults" in state:
+        func.__defaults__ = state["defaults"]
+    if "kwdefaults" in state:
+        func.__kwdefaults__ = state["kwdefaults"]
+    if "doc" in state:
+        func.__doc__ = state["doc"]
+    if "annotations" in state:
+        func.__annotations__ = state["annotations"]
+    if "qualname" in state:
+        func.__qualname__ = state["qualname"]
+    func.__module__ = state.get("module")
+
+
+# ---------------------------------------------------------------------------------------
+# Classes
+# ---------------------------------------------------------------------------------------
+# [Note: class tracker ids] A dynamic class loaded twice (two payloads, or one payload
+# loaded twice) must come back as the *same* class, or ``isinstance`` breaks between the
+# workers' results. Each class pickled by value carries a tracker id; the loader keeps a
+# weak map id -> class. cloudpickle uses a random uuid4, which makes every payload holding
+# a class differ between runs. cadence derives the id from the class's module, qualname
+# and an ordinal among the distinct classes of that name seen in this process, so the same
+# program gives the same bytes. A loaded class keeps its id, so sending it back maps onto
+# the original.
+
+_TRACKER_BY_ID: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
+_ID_BY_CLASS: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
+_COMPLETE: weakref.WeakSet[type] = weakref.WeakSet()
+_ORDINALS: dict[str, int] = {}
+
+
+def class_tracker_id(cls: type) -> str:
+    tid = _ID_BY_CLASS.get(cls)
+    if tid is None:
+        key = f"{cls.__module__}:{cls.__qualname__}"
+        n = _ORDINALS.get(key, 0)
+        while f"{key}#{n}" in _TRACKER_BY_ID:
+            n += 1
+        _ORDINALS[key] = n + 1
+        tid = f"{key}#{n}"
+        _ID_BY_CLASS[cls] = tid
+        _TRACKER_BY_ID[tid] = cls
+        _COMPLETE.add(cls)
+    return tid
+
+
+def _track(tracker_id: str, cls: type) -> type:
+    existing = _TRACKER_BY_ID.get(tracker_id)
+    if existing is not None:
+        return existing
+    _TRACKER_BY_ID[tracker_id] = cls
+    _ID_BY_CLASS[cls] = tracker_id
+    return cls
+
+
+def _make_skeleton_class(
+    metaclass: type,
+    name: str,
+    qualname: str,
+    bases: tuple[type, ...],
+    type_kwargs: dict[str, Any],
+    tracker_id: str,
+) -> type:
+    def body(ns: dict[str, Any]) -> None:
+        ns.update(type_kwargs)
+        ns["__qualname__"] = qualname
+
+    skeleton = types.new_class(name, bases, {"metaclass": metaclass}, body)
+    return _track(tracker_id, skeleton)
+
+
+def _make_skeleton_enum(
+    bases: tuple[type, ...],
+    name: str,
+    qualname: str,
+    members: dict[str, Any],
+    module: str,
+    tracker_id: str,
+) -> type:
+    # Members must exist when the enum class is created (EnumMeta builds them in __new__),
+    # so unlike other classes they travel with the skeleton, not the state.
+    metacls = type(bases[-1])
+    classdict = metacls.__prepare__(name, bases)  # type: ignore[attr-defined]
+    for member_name, value in members.items():
+        classdict[member_name] = value
+    enum_class = metacls.__new__(metacls, name, bases, classdict)
+    enum_class.__module__ = module
+    enum_class.__qualname__ = qualname
+    return _track(tracker_id, enum_class)
+
+
+def _class_setstate(cls: type, state: tuple[dict[str, Any], list[type]]) -> type:
+    if cls in _COMPLETE:
+        # The tracker handed back a class that already exists here (loaded before, or
+        # the original): re-applying state would swap its methods for copies.
+        return cls
+    attrs, abc_registry = state
+    for attr, value in attrs.items():
+        setattr(cls, attr, value)
+    for subclass in abc_registry:
+        cls.register(subclass)  # type: ignore[attr-defined]
+    _COMPLETE.add(cls)
+    return cls
