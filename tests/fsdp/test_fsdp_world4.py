@@ -36,9 +36,9 @@ def w4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ("nosync", [(7, 0, 0), (7, 4, 4)] * 2),
         ("deferred_sync", [(7, 0, 0)] * 4),
         ("deferred_async", [(7, 0, 0)] * 4),
-        # Manual mode: an all-reduce is issued when its reduce-scatter retires; with two
-        # reductions in flight, two retire during backward and two in finalize_backward.
-        ("manual_sync_last", [(7, 0, 0), (7, 4, 2)] * 2),
+        # Manual mode: an all-reduce is issued when its reduce-scatter retires; with one
+        # reduction in flight (the default), three retire during backward, one in finalize.
+        ("manual_sync_last", [(7, 0, 0), (7, 4, 3)] * 2),
     ],
 )
 def test_hsdp_2x2_parity_and_counts(w4: dict[str, Any], mode: str, counts: list[Any]) -> None:

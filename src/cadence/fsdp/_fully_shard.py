@@ -95,9 +95,14 @@ class FullyShardedModule(nn.Module):
         return self._runtime.finalize_backward(async_op=async_op)
 
     def set_max_inflight_reductions(self, n: int) -> None:
-        """Reduce-scatter inputs alive at once during backward (default 2)."""
-        if n < 1:
-            raise ValueError(f"max in-flight reductions must be >= 1, got {n}")
+        """Reduce-scatter inputs alive at once during backward (default 1, as FSDP2).
+
+        More lets manual/async finalization leave more reductions in flight for the
+        caller to hide, at the cost of one (W, S) buffer per extra reduction. 0 waits
+        each reduce-scatter at once (no overlap, FSDP2-on-CPU memory).
+        """
+        if n < 0:
+            raise ValueError(f"max in-flight reductions must be >= 0, got {n}")
         self._runtime.max_inflight_reductions = n
 
     # -- unshard / reshard (this module's unit only, as FSDP2) --------------------

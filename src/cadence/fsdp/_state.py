@@ -58,7 +58,7 @@ class Runtime:
                 )
         # -- flags --
         self.manual_finalization = False
-        self.max_inflight_reductions = 2
+        self.max_inflight_reductions = 1  # FSDP2's default; see set_max_inflight_reductions
         # -- iteration state --
         self.state = TrainingState.IDLE
         self.forward_order: list[Unit] = []
@@ -232,7 +232,7 @@ class Runtime:
 
     def issue_reduction(self, unit: Unit, rs_input: torch.Tensor) -> None:
         # Bounded in-flight RS inputs (#186000): retire the oldest before issuing more.
-        while len(self.inflight) >= self.max_inflight_reductions:
+        while self.inflight and len(self.inflight) >= self.max_inflight_reductions:
             self.retire(self.inflight.popleft())
         assert unit.comm is not None
         rs_output = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
@@ -240,6 +240,8 @@ class Runtime:
             rs_output, rs_input.view(-1), op="avg", async_op=True
         )
         self.inflight.append(PendingReduction(unit, rs_input, rs_output, work))
+        if self.max_inflight_reductions == 0:
+            self.retire(self.inflight.popleft())  # synchronous mode: FSDP2-on-CPU memory
         self.peak_inflight_reductions = max(self.peak_inflight_reductions, len(self.inflight))
         self.peak_inflight_reduce_bytes = max(
             self.peak_inflight_reduce_bytes, sum(pr.input_bytes for pr in self.inflight)
@@ -248,6 +250,18 @@ class Runtime:
         # the next forward re-gathers it (reshard_after_backward=False is preserved).
         if unit.state is not ShardedState.SHARDED:
             unit.stale = True
+
+    def retire_completed(self) -> None:
+        """Free the inputs of reductions the backend already finished (never blocks).
+
+        Runs before a unit's parameters are gathered in backward, so a finished
+        reduce-scatter's (W, S) input is not alive next to the new unsharded buffers.
+        Only on CPU: on CUDA ``is_completed`` would be host polling on the hot path.
+        """
+        while self.inflight and self.root.device.type == "cpu":
+            if not self.inflight[0].rs_work.is_completed():
+                return
+            self.retire(self.inflight.popleft())
 
     def retire(self, pr: PendingReduction) -> None:
         pr.rs_work.wait()
