@@ -44,11 +44,16 @@ def body_pp_dp(name: str, v: int, m: int):
         event_log=log,
         source=SOURCE,
     )
-    x, y = MarkovTokens(32, 8, seed=11).batch(0, 4 * m)
-    half = x.shape[0] // 2
+    data = MarkovTokens(32, 8, seed=11)
+    (xa, ya), (xb, yb) = data.batch(0, 4 * m), data.batch(1, 4 * m)
+    half = xa.shape[0] // 2
     d = pg.coords.dp_shard
+    mine_rows = slice(d * half, (d + 1) * half)
     log.clear()
-    rt.step(x[d * half : (d + 1) * half], target=y[d * half : (d + 1) * half])
+    # an accumulation step (no reduction), then a syncing step: reduced once, scaled once
+    rt.step(xa[mine_rows], target=ya[mine_rows], sync_gradients=False)
+    n_rs_after_first = log.count("reduce_scatter")
+    rt.step(xb[mine_rows], target=yb[mine_rows])
     got = {}
     for s in mine:
         for k, p in chunks[s].named_parameters():
@@ -56,7 +61,8 @@ def body_pp_dp(name: str, v: int, m: int):
             got[f"{s}.{k}"] = g.full_tensor() if hasattr(g, "full_tensor") else g
     ref = _model(n)
     ref_chunks = ref.split_stages(n)
-    TinyGPT.loss(ref(x), y).backward()
+    TinyGPT.loss(ref(xa), ya).backward()
+    TinyGPT.loss(ref(xb), yb).backward()
     want = {f"{s}.{k}": p.grad for s in mine for k, p in ref_chunks[s].named_parameters()}
     order = [
         (e.kind if e.kind != "mark" else e.group, e.meta.get("stage"))
@@ -69,6 +75,7 @@ def body_pp_dp(name: str, v: int, m: int):
         "n_grads": len(got),
         "order": order,
         "reduce_scatters": len(rs),
+        "reduce_scatters_after_accumulation_step": n_rs_after_first,
         "history": {s: rt._sync[s].history for s in mine},
         "all_waited": all(e.waited for e in rs),
         # the first stage's reduction was still open when the next one was issued
@@ -86,6 +93,7 @@ def test_pp2_dp2_fully_shard_parity_and_deferred_wait():
         assert r["all_waited"], rank
         assert r["reduce_scatters"] == len(r["history"]), r  # one per stage per step
         assert r["overlapped"], r["order"]
+        assert r["reduce_scatters_after_accumulation_step"] == 0, r
         # each local stage reduced once and waited once, in that order
         for s, h in r["history"].items():
             assert h == ["reduce", "wait"], (rank, s, h)
