@@ -7,6 +7,7 @@ caller says. See the README for the feature table and the overlap patterns.
 from cadence._dist_init import init
 from cadence.comm import Comm, CommEvent, CommWork, EventLog, ReductionHandle
 from cadence.data_parallel import DataParallel, WindowState
+from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
 from cadence.launch import LaunchError, launch
 from cadence.topology import Coords, ParallelGroups, Topology
 
@@ -19,12 +20,15 @@ __all__ = [
     "Coords",
     "DataParallel",
     "EventLog",
+    "FullyShardedModule",
     "LaunchError",
+    "MixedPrecisionPolicy",
     "ParallelGroups",
     "ReductionHandle",
     "Topology",
     "WindowState",
     "__version__",
+    "fully_shard",
     "init",
     "launch",
 ]
