@@ -146,6 +146,8 @@ def find_path(pickler: Pickler, root: Any, target: Any) -> list[Step] | None:
         except Exception:
             continue
         for step in children:
+            if step.slot is not None and step.slot in pickler._pruned.get(id(step.owner), ()):
+                continue  # pruned on an earlier try: the pickler no longer follows it
             cid = id(step.child)
             if cid in parents:
                 continue

@@ -106,12 +106,6 @@ def function_getstate(pickler: Pickler, func: types.FunctionType) -> dict[str, A
         gvals = {n: canonical(pickler, g[n]) for n in names if n in g and n != "__builtins__"}
         if gvals:
             state["globals"] = gvals
-            mods = [v for v in gvals.values() if isinstance(v, types.ModuleType)]
-            if mods:
-                attrs = code_attribute_names(code)
-                subs = [s for m in mods for s in find_submodules(m, attrs)]
-                if subs:
-                    state["submodules"] = subs
 
     if func.__closure__:
         contents: dict[str, Any] = {}
@@ -122,6 +116,16 @@ def function_getstate(pickler: Pickler, func: types.FunctionType) -> dict[str, A
                 pass
         if contents:
             state["closure"] = contents
+
+    # Modules read as globals or from cells may be reached as ``pkg.sub.attr``; name the
+    # imported submodules so the loading process imports them too (B20).
+    mods = [v for v in (*state.get("globals", {}).values(), *state.get("closure", {}).values())
+            if isinstance(v, types.ModuleType)]  # fmt: skip
+    if mods:
+        attrs = code_attribute_names(code)
+        subs = [sub for m in mods for sub in find_submodules(m, attrs)]
+        if subs:
+            state["submodules"] = subs
 
     if func.__dict__:
         d = {

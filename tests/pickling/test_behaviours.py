@@ -1,0 +1,638 @@
+"""One test per behaviour of the design table (B1-B30), in process.
+
+Each test round-trips through ``cadence.pickling.dumps`` and the *standard*
+``pickle.loads`` and compares real values. The fresh-interpreter versions of the
+behaviours where the process boundary matters are in test_subprocess.py.
+"""
+
+import dataclasses
+import enum
+import functools
+import pickle
+import sys
+import threading
+import types
+import typing
+import warnings
+
+import pytest
+
+from cadence import pickling
+from tests.pickling.fixtures import fx_decorators, fx_model, fx_shared
+
+
+def rt(obj, protocol=None):
+    return pickle.loads(pickling.dumps(obj, protocol=protocol))
+
+
+# B1 ------------------------------------------------------------------------------------
+def test_b1_empty_cell_stays_empty():
+    def make():
+        if False:
+            unset = 1
+
+        def f():
+            return unset
+
+        return f
+
+    f = rt(make())
+    with pytest.raises(NameError):
+        f()
+    assert f.__closure__[0] is not None
+
+
+def test_b1_cell_holding_none_is_not_empty():
+    def make():
+        value = None
+
+        def f():
+            return value
+
+        return f
+
+    assert rt(make())() is None
+
+
+# B2 ------------------------------------------------------------------------------------
+def test_b2_recursive_closure_terminates():
+    def make():
+        def fact(n):
+            return 1 if n <= 1 else n * fact(n - 1)
+
+        def me():
+            return me
+
+        return fact, me
+
+    fact, me = rt(make())
+    assert fact(6) == 720
+    assert me() is me
+
+
+# B3 ------------------------------------------------------------------------------------
+def test_b3_shared_cell_stays_shared():
+    def make():
+        c = 0
+
+        def inc():
+            nonlocal c
+            c += 1
+            return c
+
+        def get():
+            return c
+
+        return inc, get
+
+    inc, get = rt(make())
+    inc()
+    inc()
+    assert get() == 2
+    assert inc.__closure__[0] is get.__closure__[0]
+
+
+# B4 / B5 -------------------------------------------------------------------------------
+def test_b4_b5_defaults_and_kwdefaults():
+    def make():
+        def f(a, b=3, *, k=2):
+            return a + b * k
+
+        return f
+
+    f = rt(make())
+    assert f.__defaults__ == (3,)
+    assert f.__kwdefaults__ == {"k": 2}
+    assert f(1) == 7
+    assert f(1, 1, k=10) == 11
+
+
+def test_b4_lock_kwdefault_fails_loudly():
+    def make():
+        def f(*, lock=threading.Lock()):
+            return lock
+
+        return f
+
+    with pytest.raises(TypeError, match=r"__kwdefaults__\['lock'\]"):
+        pickling.dumps(make())
+
+
+def test_b5_lock_default_fails_loudly():
+    def make():
+        def f(x=threading.Lock()):
+            return x
+
+        return f
+
+    with pytest.raises(TypeError, match=r"__defaults__\[0\]"):
+        pickling.dumps(make())
+
+
+# B6 ------------------------------------------------------------------------------------
+def test_b6_unpicklable_dict_entry_pruned_with_warning():
+    def make():
+        def h(x):
+            return x * h.tag
+
+        h.tag = 2.0
+        h.lock = threading.Lock()
+        return h
+
+    with pytest.warns(pickling.PrunedSlotWarning, match=r"h\.lock \(lock\)"):
+        h = rt(make())
+    assert h.tag == 2.0
+    assert not hasattr(h, "lock")
+    assert h(3) == 6.0
+
+
+def test_b6_self_reference_in_dict_terminates():
+    def make():
+        def w():
+            return 1
+
+        w.me = w
+        return w
+
+    w = rt(make())
+    assert w.me is w
+
+
+# B7 ------------------------------------------------------------------------------------
+def test_b7_wrapped_dragging_a_lock_is_pruned_inside():
+    def make():
+        def base(x):
+            return x + 1
+
+        base.lock = threading.Lock()
+
+        @functools.wraps(base)
+        def w(x):
+            return base(x) * 2
+
+        return w
+
+    with pytest.warns(pickling.PrunedSlotWarning) as record:
+        w = rt(make())
+    messages = " ".join(str(r.message) for r in record)
+    assert "lock" in messages
+    assert w(1) == 4
+    assert not hasattr(w, "lock")
+    # The innermost failing edge is pruned, so __wrapped__ itself survives without its lock.
+    assert w.__wrapped__(1) == 2
+    assert not hasattr(w.__wrapped__, "lock")
+
+
+# B8 ------------------------------------------------------------------------------------
+def test_b8_unpicklable_doc_dropped_to_none():
+    def make():
+        def inner():
+            return 5
+
+        inner.__doc__ = threading.Lock()
+        return inner
+
+    with pytest.warns(pickling.PrunedSlotWarning, match=r"__doc__"):
+        inner = rt(make())
+    assert inner.__doc__ is None
+    assert inner() == 5
+
+
+def test_b8_string_doc_kept():
+    def make():
+        def inner():
+            """Inner doc."""
+
+        inner.__doc__ = "assigned doc"
+        return inner
+
+    assert rt(make()).__doc__ == "assigned doc"
+
+
+# B9 ------------------------------------------------------------------------------------
+def test_b9_annotations_naming_a_local_class():
+    def make():
+        class Cfg:
+            pass
+
+        def inner(x: Cfg, y: int) -> int:
+            return y
+
+        return inner
+
+    inner = rt(make())
+    assert inner.__annotations__["x"].__name__ == "Cfg"
+    assert inner.__annotations__["y"] is int
+    assert inner.__annotations__["return"] is int
+
+
+def test_b9_unpicklable_annotation_pruned():
+    def make():
+        def inner(x: int):
+            return x
+
+        inner.__annotations__["bad"] = threading.Lock()
+        return inner
+
+    with pytest.warns(pickling.PrunedSlotWarning, match="__annotations__"):
+        inner = rt(make())
+    assert inner.__annotations__ == {"x": int}
+
+
+# B10 -----------------------------------------------------------------------------------
+@pytest.mark.skipif(sys.version_info < (3, 14), reason="PEP 649 lazy annotations are 3.14+")
+def test_b10_lazy_annotations():  # pragma: no cover - runs on 3.14 only
+    ns: dict = {}
+    exec("def inner(x: Missing) -> int: return 1", ns)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert rt(ns["inner"])() == 1
+
+
+# B11 -----------------------------------------------------------------------------------
+def test_b11_type_params_carried():
+    def make():
+        T = typing.TypeVar("T")
+
+        def ident(x):
+            return x
+
+        # 3.12+ has the slot; on 3.11 the attribute lives in __dict__, which is carried too.
+        ident.__type_params__ = (T,)
+        return ident
+
+    ident = rt(make())
+    assert [t.__name__ for t in ident.__type_params__] == ["T"]
+    assert ident(3) == 3
+
+
+def test_b11_local_typevar_by_value():
+    def make():
+        return typing.TypeVar("U", bound=int)
+
+    u = rt(make())
+    assert u.__name__ == "U" and u.__bound__ is int
+
+
+# B12 / B13 -----------------------------------------------------------------------------
+def test_b12_custom_qualname():
+    def make():
+        def q():
+            return 1
+
+        q.__qualname__ = "custom.qual"
+        return q
+
+    q = make()
+    assert q.__qualname__ != q.__code__.co_qualname
+    assert rt(q).__qualname__ == "custom.qual"
+
+
+def test_b13_wraps_assigned_qualname_and_name():
+    h = rt(fx_model.h)
+    assert h.__qualname__ == "base"
+    assert h.__name__ == "base"
+    assert h.__doc__ == "Base docstring."
+    assert h(1) == (1 + 1) * fx_decorators.SCALE
+
+
+# B14 -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", [None, "no_such_module_anywhere", 42])
+def test_b14_module_none_nonstr_or_unimportable(module):
+    ns: dict = {"__name__": "exec_scope"}
+    exec("def f(x):\n    return x * 2\n", ns)
+    f = ns["f"]
+    f.__module__ = module
+    g = rt(f)
+    assert g.__module__ == module
+    assert g(4) == 8
+
+
+# B15 -----------------------------------------------------------------------------------
+def test_b15_module_level_wraps_wrapper_goes_by_value():
+    data = pickling.dumps(fx_model.h)
+    assert b"_make_function" in data
+    assert pickle.loads(pickling.dumps(fx_model.base)) is fx_model.base  # by reference
+
+
+# B16 -----------------------------------------------------------------------------------
+def test_b16_globals_from_compile_scope_only_referenced():
+    data = pickling.dumps(fx_model.h)
+    h = pickle.loads(data)
+    assert h.__globals__["__name__"] == "tests.pickling.fixtures.fx_decorators"
+    assert h.__globals__["SCALE"] == fx_decorators.SCALE
+    assert "BIG_UNRELATED" not in h.__globals__ and "functools" not in h.__globals__
+    assert h(2) == 9
+    assert len(data) < 2000  # BIG_UNRELATED (100k ints) must not travel
+
+
+def test_b16_nested_code_globals_only():
+    ns: dict = {"__name__": "scope", "NESTED_G": 5, "UNUSED": list(range(1000))}
+    exec("def outer():\n    def inner():\n        return NESTED_G\n    return inner()\n", ns)
+    f = rt(ns["outer"])
+    assert f() == 5
+    assert "NESTED_G" in f.__globals__
+    assert "UNUSED" not in f.__globals__
+
+
+# B17 -----------------------------------------------------------------------------------
+def test_b17_functions_of_one_module_share_one_rebuilt_dict():
+    pickling.register_pickle_by_value(fx_shared)
+    try:
+        bump, read = rt((fx_shared.bump, fx_shared.read))
+    finally:
+        pickling.unregister_pickle_by_value(fx_shared)
+    assert bump.__globals__ is read.__globals__
+    assert bump.__globals__ is not fx_shared.__dict__
+    before = fx_shared.COUNTER[0]
+    bump()
+    assert read() == before + 1
+    assert fx_shared.COUNTER[0] == before  # isolated from the live module
+
+
+# B18 -----------------------------------------------------------------------------------
+def test_b18_builtins_are_the_real_module():
+    import builtins
+
+    def make():
+        def f():
+            return sum(range(10)), len("abc")
+
+        return f
+
+    f = rt(make())
+    assert f() == (45, 3)
+    assert f.__globals__["__builtins__"] is builtins
+
+
+# B19 / B20 -----------------------------------------------------------------------------
+def test_b19_modules_by_reference():
+    import json
+
+    def make():
+        def f():
+            return json
+
+        return f
+
+    assert rt(make())() is json
+    assert rt(json) is json
+
+
+def test_b20_submodule_reached_by_attribute_is_named():
+    import xml.etree.ElementTree
+
+    def make():
+        def f():
+            return xml.etree.ElementTree.Comment
+
+        return f
+
+    data = pickling.dumps(make())
+    assert b"xml.etree.ElementTree" in data
+    assert pickle.loads(data)() is xml.etree.ElementTree.Comment
+
+
+# B21 -----------------------------------------------------------------------------------
+def test_b21_local_classes_enums_dataclasses_and_instances():
+    def make():
+        class Color(enum.Enum):
+            RED = 1
+            BLUE = 2
+
+            def shout(self):
+                return self.name.upper()
+
+        @dataclasses.dataclass
+        class Cfg:
+            lr: float
+            tags: list = dataclasses.field(default_factory=list)
+
+        class Base:
+            def who(self):
+                return "base"
+
+        class Child(Base):
+            __slots__ = ("v",)
+
+            def who(self):
+                return "child of " + super().who()
+
+        return Color, Cfg, Child
+
+    Color, Cfg, Child = make()
+    child = Child()
+    child.v = 7
+    Color2, Cfg2, Child2, red, cfg, child2 = rt(
+        (Color, Cfg, Child, Color.BLUE, Cfg(0.1, ["a"]), child)
+    )
+    assert red is Color2.BLUE and red.shout() == "BLUE"
+    assert [f.name for f in dataclasses.fields(Cfg2)] == ["lr", "tags"]
+    assert cfg == Cfg2(0.1, ["a"]) and Cfg2(1.0).tags == []
+    assert child2.who() == "child of base" and child2.v == 7
+    assert isinstance(child2, Child2)
+
+
+# B22 / B23 -----------------------------------------------------------------------------
+def test_b22_hand_built_bound_method():
+    def make():
+        class State:
+            def __init__(self):
+                self.n = 3
+
+        def on_step(self, k):
+            return self.n * k
+
+        return types.MethodType(on_step, State())
+
+    m = rt(make())
+    assert isinstance(m, types.MethodType)
+    assert m(2) == 6
+
+
+def test_b23_property_named_like_the_method_is_not_run():
+    calls = []
+
+    def make():
+        def step(self):
+            return "method"
+
+        class Receiver:
+            @property
+            def step(self):
+                calls.append(1)
+                return lambda: "property"
+
+        return types.MethodType(step, Receiver())
+
+    m = rt(make())
+    assert m() == "method"
+    assert calls == []
+
+
+def test_b22_partial_as_func():
+    def make():
+        class R:
+            pass
+
+        return types.MethodType(functools.partial(lambda a, s: (a, type(s).__name__), 1), R())
+
+    m = rt(make())
+    assert m() == (1, "R")
+
+
+# B24 -----------------------------------------------------------------------------------
+def test_b24_generator_refused_with_path():
+    def gen():
+        yield 1
+
+    def make():
+        g = gen()
+
+        def f():
+            return g
+
+        return f
+
+    with pytest.raises(pickling.UnpicklableError, match=r"generator.*__closure__\['g'\]"):
+        pickling.dumps(make())
+
+
+def test_b24_coroutine_refused():
+    async def coro():
+        return 1
+
+    c = coro()
+    try:
+        with pytest.raises(TypeError, match="coroutine"):
+            pickling.dumps({"c": c})
+    finally:
+        c.close()
+
+
+# B25 / B26 -----------------------------------------------------------------------------
+def test_b25_module_level_lambda_by_value():
+    data = pickling.dumps(fx_model.mod_lambda)
+    assert b"_make_function" in data
+    assert pickle.loads(data)(4) == 12
+
+
+def test_b26_partial_of_local_function():
+    def make():
+        def add(a, b):
+            return a + b
+
+        return functools.partial(add, 1)
+
+    p = rt(make())
+    assert p(2) == 3
+
+
+# B28 -----------------------------------------------------------------------------------
+def test_b28_code_from_another_python_refused_clearly():
+    from cadence.pickling import _reconstructors
+
+    with pytest.raises(pickle.UnpicklingError, match=r"compiled by Python 3\.0"):
+        _reconstructors._make_code((3, 0), ())
+
+
+# B29 -----------------------------------------------------------------------------------
+def test_b29_error_names_path_and_keeps_type():
+    class BadReduce:
+        def __reduce__(self):
+            raise ValueError("no way")
+
+    def make():
+        cfg = types.SimpleNamespace(lock=threading.Lock(), bad=None)
+
+        def fn():
+            return cfg
+
+        return fn
+
+    with pytest.raises(TypeError, match=r"reached via \S*make\.<locals>\.fn\.__closure__\['cfg'\]\.lock"):
+        pickling.dumps(make())
+    with pytest.raises(ValueError, match=r"no way \(reached via obj\['k'\]\[1\]\)"):
+        pickling.dumps({"k": [1, BadReduce()]})
+
+
+def test_b29_recursion_error_becomes_picklingerror():
+    deep: list = []
+    node = deep
+    for _ in range(sys.getrecursionlimit() * 4):
+        node.append([])
+        node = node[0]
+    with pytest.raises(pickle.PicklingError, match="recursion limit") as info:
+        pickling.dumps(deep)
+    assert isinstance(info.value.__cause__, RecursionError)
+
+
+# Registry and API ----------------------------------------------------------------------
+def test_registry_round_trip():
+    assert fx_shared.__name__ not in pickling.list_registry_pickle_by_value()
+    pickling.register_pickle_by_value(fx_shared)
+    assert fx_shared.__name__ in pickling.list_registry_pickle_by_value()
+    assert b"_make_function" in pickling.dumps(fx_shared.read)
+    pickling.unregister_pickle_by_value(fx_shared)
+    assert pickle.loads(pickling.dumps(fx_shared.read)) is fx_shared.read
+    with pytest.raises(ValueError):
+        pickling.unregister_pickle_by_value(fx_shared)
+    with pytest.raises(ValueError):
+        pickling.register_pickle_by_value("not a module")
+
+
+def test_dump_load_file_and_protocols(tmp_path):
+    def make(k):
+        return lambda x: x + k
+
+    for proto in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        path = tmp_path / f"p{proto}.pkl"
+        with open(path, "wb") as fh:
+            pickling.dump(make(proto), fh, protocol=proto)
+        with open(path, "rb") as fh:
+            assert pickling.load(fh)(1) == proto + 1
+    assert pickling.DEFAULT_PROTOCOL == pickle.HIGHEST_PROTOCOL
+
+
+def test_pickler_subclass_reducer_override_and_dispatch_table():
+    import io
+
+    class Token:
+        pass
+
+    class Other:
+        pass
+
+    class MyPickler(pickling.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, Token):
+                return str, ("token",)
+            return super().reducer_override(obj)
+
+    buf = io.BytesIO()
+    p = MyPickler(buf)
+    p.dispatch_table = {Other: lambda o: (int, (7,))}
+    p.dump((Token(), Other(), lambda: 1))
+    tok, other, fn = pickle.loads(buf.getvalue())
+    assert (tok, other, fn()) == ("token", 7, 1)
+
+
+def test_buffer_callback_out_of_band():
+    payload = bytearray(b"x" * 1000)
+    buffers: list = []
+    data = pickling.dumps(pickle.PickleBuffer(payload), protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 1 and len(data) < 100
+    assert bytes(pickle.loads(data, buffers=buffers)) == bytes(payload)
+
+
+def test_dynamic_class_identity_across_two_payloads():
+    def make():
+        class K:
+            pass
+
+        return K
+
+    K = make()
+    a = pickle.loads(pickling.dumps(K))
+    b = pickle.loads(pickling.dumps(K))
+    assert a is K and b is K  # the tracker maps back onto the live class in this process
