@@ -109,7 +109,7 @@ def test_b4_b5_defaults_and_kwdefaults():
 
 def test_b4_lock_kwdefault_fails_loudly():
     def make():
-        def f(*, lock=threading.Lock()):
+        def f(*, lock=threading.Lock()):  # noqa: B008
             return lock
 
         return f
@@ -120,7 +120,7 @@ def test_b4_lock_kwdefault_fails_loudly():
 
 def test_b5_lock_default_fails_loudly():
     def make():
-        def f(x=threading.Lock()):
+        def f(x=threading.Lock()):  # noqa: B008
             return x
 
         return f
