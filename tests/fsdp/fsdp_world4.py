@@ -20,7 +20,7 @@ from fsdp_helpers import (
 import cadence
 from cadence.testing import max_abs_diff
 
-__all__ = ["dcp_load_body", "dcp_save_body", "hsdp_body"]
+__all__ = ["cuda_body", "dcp_load_body", "dcp_save_body", "hsdp_body"]
 
 _X = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
 
@@ -119,3 +119,28 @@ def make_mlp_sharded_rows() -> int:
     m = make_mlp()
     m = apply_cadence(m, _mlp_units(m))
     return int(m[0].weight.to_local().shape[0]) if dist.get_rank() == 3 else -1
+
+
+def cuda_body() -> dict[str, float]:
+    """World 1 on NCCL: the stream/event path end to end (runs only where a GPU exists)."""
+    import copy
+
+    from fsdp_helpers import full_params, train_steps
+
+    device = torch.device("cuda", 0)
+    batches = [b.to(device) for b in make_batches("blocks", 3, 8)]
+    base = make_blocks().to(device)
+    ref = copy.deepcopy(base)
+    train_steps(ref, batches, 0, 1)
+    m = apply_cadence(base, base.units(), unit_raf=True)
+    m.set_manual_backward_finalization(True)
+    m.set_max_inflight_reductions(2)
+
+    def finalize() -> None:
+        handle = m.finalize_backward(async_op=True)
+        handle.wait()
+
+    train_steps(m, batches, 0, 1, after_backward=finalize)
+    torch.cuda.synchronize()
+    expected = {n: p.detach() for n, p in ref.named_parameters()}
+    return {"cuda_parity": max_abs_diff(full_params(m), expected)}

@@ -235,10 +235,12 @@ class Runtime:
         while self.inflight and len(self.inflight) >= self.max_inflight_reductions:
             self.retire(self.inflight.popleft())
         assert unit.comm is not None
-        rs_output = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
-        work = unit.comm.reduce_scatter_single(
-            rs_output, rs_input.view(-1), op="avg", async_op=True
-        )
+        with unit.streams.issue("reduce_scatter"):
+            unit.streams.used_by(rs_input, "reduce_scatter")
+            rs_output = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
+            work = unit.comm.reduce_scatter_single(
+                rs_output, rs_input.view(-1), op="avg", async_op=True
+            )
         self.inflight.append(PendingReduction(unit, rs_input, rs_output, work))
         if self.max_inflight_reductions == 0:
             self.retire(self.inflight.popleft())  # synchronous mode: FSDP2-on-CPU memory
@@ -269,7 +271,10 @@ class Runtime:
         if pr.unit.replicate_comm is not None:
             # HSDP: the all-reduce over replicas needs the finished shard, so it is
             # issued here, asynchronously, and waited in wait_and_cleanup.
-            pr.ar_work = pr.unit.replicate_comm.all_reduce(pr.rs_output, op="avg", async_op=True)
+            with pr.unit.streams.issue("reduce_scatter"):
+                pr.ar_work = pr.unit.replicate_comm.all_reduce(
+                    pr.rs_output, op="avg", async_op=True
+                )
         self.retired.append(pr)
 
     def final_callback(self) -> None:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Placement
 from cadence.comm import Comm, CommWork, EventLog
 from cadence.fsdp._api import MixedPrecisionPolicy
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
+from cadence.fsdp._streams import StreamSet
 
 if TYPE_CHECKING:
     from cadence.fsdp._state import Runtime
@@ -111,6 +112,7 @@ class Unit:
         self.event_log: EventLog | None = None
         self.comm: Comm | None = None
         self.replicate_comm: Comm | None = None
+        self.streams = StreamSet(device)  # see [Note: streams and events]
         # -- sharded storage --
         self.shard_numel = make_layout(params, world, rank)
         self.flat_shard = torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=device)  # 1D
@@ -191,14 +193,16 @@ class Unit:
             return
         if self.state is not ShardedState.UNSHARDING:
             assert self.comm is not None, "lazy init must run before unshard"
-            if self.param_dtype == self.orig_dtype:
-                inp = self.flat_shard
-            else:
-                inp = self.flat_shard.to(self.param_dtype)
-            out = torch.empty(
-                self.world * self.shard_numel, dtype=self.param_dtype, device=self.device
-            )
-            work = self.comm.all_gather_single(out, inp, async_op=True)
+            with self.streams.issue("all_gather"):
+                if self.param_dtype == self.orig_dtype:
+                    inp = self.flat_shard
+                    self.streams.used_by(inp, "all_gather")
+                else:
+                    inp = self.flat_shard.to(self.param_dtype)
+                out = torch.empty(
+                    self.world * self.shard_numel, dtype=self.param_dtype, device=self.device
+                )
+                work = self.comm.all_gather_single(out, inp, async_op=True)
             self.all_gather_state = AllGatherState(work, out, inp)
             self.state = ShardedState.UNSHARDING
         if not async_op:
@@ -209,7 +213,8 @@ class Unit:
             return
         ag = self.all_gather_state
         assert ag is not None
-        ag.work.wait()
+        ag.work.wait()  # on NCCL: the current stream waits, the host does not
+        self.streams.used_by(ag.output)
         self._alloc_unsharded()
         src = ag.output.view(self.world, self.shard_numel)
         unsharded = [info.unsharded for info in self.params]
@@ -286,6 +291,7 @@ class Unit:
 
     def write_sharded_grads(self, rs_output: torch.Tensor) -> None:
         """View-out: the reduced (S,) output becomes (or is added to) each sharded ``.grad``."""
+        self.streams.used_by(rs_output)  # allocated on the reduce-scatter stream
         out = rs_output if rs_output.dtype == self.orig_dtype else rs_output.to(self.orig_dtype)
         for info in self.params:
             if not info.requires_grad:
