@@ -67,3 +67,35 @@ def test_launch_accepts_bad_nprocs_early() -> None:
 
 def test_init_reuses_existing_group() -> None:
     assert run_distributed(B.init_twice, world_size=2) == [2, 2]
+
+
+def test_launch_ships_closures_and_lambdas() -> None:
+    offset = 10
+
+    def body(x: int) -> int:
+        import torch.distributed as dist
+
+        return (lambda y: y * offset + dist.get_rank())(x)
+
+    assert cadence.launch(body, 2, nprocs=2, timeout=60) == [20, 21]
+    assert cadence.launch(lambda: offset + 1, nprocs=2, timeout=60) == [11, 11]
+
+
+def test_launch_from_a_main_script(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import cadence\n"
+        "scale = 4\n"
+        "def work():\n"
+        "    import torch.distributed as dist\n"
+        "    return scale * (dist.get_rank() + 1)\n"
+        "if __name__ == '__main__':\n"
+        "    print(cadence.launch(work, nprocs=2, timeout=60))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[4, 8]"
