@@ -1,0 +1,162 @@
+"""Rank bodies for the two overlap patterns; the models come from ``examples/``.
+
+Module level, so `run_distributed` ships them by reference. The example modules
+are imported from their folder (it is not a package), which every rank can do
+because the launcher forwards ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cadence.testing import max_abs_diff, named_grads, named_params
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import optimizer_in_backward as ex_b
+import overlap_sparse as ex_a
+
+STEPS = 3
+
+
+def _strip(d: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix("module."): v for k, v in d.items()}
+
+
+def _dense_grad(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else (t.to_dense() if t.is_sparse else t)
+
+
+def pattern_a() -> dict[str, Any]:
+    """Pattern (a) for STEPS steps: event order per step, grads and params against the oracle."""
+    world = dist.get_world_size()
+    tr = ex_a.Trainer()
+    bag_ref, mlp_ref, opts_ref = ex_a.reference_models()
+    out: dict[str, Any] = {"buckets": tr.dp.num_buckets, "order": [], "grad": 0.0}
+    for step in range(STEPS):
+        tr.log.clear()
+        # Stop just before the optimizer steps to compare gradients, then step both sides.
+        ids, x, y = tr.local_batch(step)
+        tr.dense_opt.zero_grad(set_to_none=True)
+        tr.sparse_opt.zero_grad(set_to_none=True)
+        F.mse_loss(ex_a.forward(tr.bag, tr.dp, ids, x), y).backward()
+        launched_in_backward = tr.log.count("all_reduce", group="dp")
+        tr.log.mark("sparse_start")
+        ex_a.average_sparse_grad(tr.sparse_comm, tr.bag)
+        tr.sparse_opt.step()
+        tr.log.mark("sparse_end")
+        sparse_grad = _dense_grad(tr.bag.weight.grad)
+        tr.dp.finalize_backward()
+        dense_grads = _strip(named_grads(tr.dp))
+        tr.dense_opt.step()
+
+        start, end = tr.log.marks("sparse_start")[0], tr.log.marks("sparse_end")[0]
+        dense = tr.log.collectives("all_reduce", group="dp")
+        out["order"].append(
+            {
+                "launched_in_backward": launched_in_backward,
+                "issued": len(dense),
+                "issued_before_start": sum(e.issue_t < start.issue_t for e in dense),
+                "seq_before_start": sum(e.seq < start.seq for e in dense),
+                "waited_after_end": sum(
+                    e.wait_end_t is not None and e.wait_end_t > end.issue_t for e in dense
+                ),
+            }
+        )
+
+        # The oracle up to its gradients, compared, then its optimizer steps.
+        ids_g, x_g, y_g = ex_a.global_batch(step, world)
+        for opt in opts_ref:
+            opt.zero_grad(set_to_none=True)
+        F.mse_loss(ex_a.forward(bag_ref, mlp_ref, ids_g, x_g), y_g).backward()
+        grad_diff = max(
+            max_abs_diff(dense_grads, named_grads(mlp_ref)),
+            max_abs_diff(sparse_grad, _dense_grad(bag_ref.weight.grad)),
+        )
+        out["grad"] = max(out["grad"], grad_diff)
+        for opt in opts_ref:
+            opt.step()
+    out["param"] = max(
+        max_abs_diff(_strip(named_params(tr.dp)), named_params(mlp_ref)),
+        max_abs_diff(tr.bag.weight.detach(), bag_ref.weight.detach()),
+    )
+    return out
+
+
+def pattern_a_auto_contrast() -> dict[str, Any]:
+    """Auto mode, same step: the dense all-reduces are already waited when backward returns."""
+    tr = ex_a.Trainer()
+    tr.dp.require_manual_backward_finalization = False
+    ids, x, y = tr.local_batch(0)
+    F.mse_loss(ex_a.forward(tr.bag, tr.dp, ids, x), y).backward()
+    tr.log.mark("sparse_start")
+    dense = tr.log.collectives("all_reduce", group="dp")
+    start = tr.log.marks("sparse_start")[0]
+    return {
+        "issued": len(dense),
+        "waited_before_start": sum(
+            e.wait_end_t is not None and e.wait_end_t < start.issue_t for e in dense
+        ),
+    }
+
+
+def pattern_b() -> dict[str, Any]:
+    """Pattern (b): finalize + dense step from a backward hook; params against the oracle."""
+    world = dist.get_world_size()
+    tr = ex_b.InBackwardTrainer()
+    bag_ref, mlp_ref, opts_ref = ex_a.reference_models()
+    for step in range(STEPS):
+        tr.log.clear()
+        tr.step_in_backward(step)
+        ex_a.reference_step(bag_ref, mlp_ref, opts_ref, step, world)
+    marks = [m.group for m in tr.log.marks()]
+    return {
+        "buckets": tr.dp.num_buckets,
+        "records": tr.hook_records,
+        # Within the last step: the dense step mark precedes the end of backward.
+        "mark_order": marks,
+        "param": max(
+            max_abs_diff(_strip(named_params(tr.dp)), named_params(mlp_ref)),
+            max_abs_diff(tr.bag.weight.detach(), bag_ref.weight.detach()),
+        ),
+        "state_after": tr.dp.state.value,
+    }
+
+
+def pattern_b_too_early() -> dict[str, Any]:
+    """A hook between two wrapped layers runs before every bucket launched: it must raise."""
+    tr = ex_b.InBackwardTrainer()
+    caught: list[str] = []
+
+    def too_early(grad: torch.Tensor) -> None:
+        try:
+            tr.dp.finalize_backward()
+        except RuntimeError as exc:
+            caught.append(str(exc))
+        else:
+            caught.append("no error")
+
+    # The output of the second Linear: its backward runs before the first layer's grads exist.
+    def attach(_m: Any, _i: Any, o: torch.Tensor) -> None:
+        o.register_hook(too_early)  # returns None: the forward output stays unchanged
+
+    tr.dp.module[2].register_forward_hook(attach)
+    ids, x, y = tr.local_batch(0)
+    F.mse_loss(ex_a.forward(tr.bag, tr.dp, ids, x), y).backward()
+    tr.dp.finalize_backward()  # after backward it is fine, and leaves nothing pending
+    return {"messages": caught, "buckets": tr.dp.num_buckets, "pending": tr.dp.pending}
+
+
+def run_all() -> dict[str, Any]:
+    # One launch for every body keeps the test file fast (process start-up dominates).
+    return {
+        "a": pattern_a(),
+        "a_auto": pattern_a_auto_contrast(),
+        "b": pattern_b(),
+        "b_early": pattern_b_too_early(),
+    }
