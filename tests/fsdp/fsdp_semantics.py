@@ -150,6 +150,19 @@ def _checks_prefetch(rank: int, world: int, out: dict[str, Any]) -> None:
     m(x).sum().backward()
     out["explicit_prefetch_state"] = seen["fwd_b2"]
     out["explicit_prefetch_counts"] = (log.count("all_gather"), log.count("reduce_scatter"))
+    # Public unshard(async_op=True): a handle; wait() registers plain unsharded params.
+    block = m.blocks[0]
+    handle = block.unshard(async_op=True)
+    out["unshard_handle"] = type(handle).__name__
+    out["unshard_state_before_wait"] = block._cadence_unit.state.value
+    handle.wait()
+    handle.wait()
+    out["unshard_param_after_wait"] = type(block.lin.weight).__name__
+    block.reshard()
+    out["unshard_param_after_reshard"] = type(block.lin.weight).__name__
+    from cadence._timing import GradientTiming
+
+    out["is_gradient_timing"] = isinstance(m, GradientTiming)
     # Forward-only: raf=False root + raf=True blocks gather once per unit before forward.
     log.clear()
     with torch.no_grad():

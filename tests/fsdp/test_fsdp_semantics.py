@@ -70,6 +70,17 @@ def test_explicit_prefetch_list(r: dict[str, Any]) -> None:
     assert r["explicit_prefetch_counts"] == (7, 4)  # prefetch changes timing, not counts
 
 
+def test_public_unshard_async_and_reshard(r: dict[str, Any]) -> None:
+    assert r["unshard_handle"] == "UnshardHandle"
+    assert r["unshard_state_before_wait"] == "unsharding"
+    assert r["unshard_param_after_wait"] == "Parameter"
+    assert r["unshard_param_after_reshard"] == "DTensor"
+
+
+def test_implements_gradient_timing_protocol(r: dict[str, Any]) -> None:
+    assert r["is_gradient_timing"]
+
+
 def test_err_prefetch_list_names_non_unit(r: dict[str, Any]) -> None:
     assert "not a fully_shard module" in r["err_prefetch_not_unit"]
 
