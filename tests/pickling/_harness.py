@@ -57,14 +57,17 @@ def run_python(
     return proc
 
 
-def load_in_child(payload: bytes, check: str, *, cwd: Path, path: list[str] | None = None) -> Any:
+def load_in_child(
+    payload: bytes, check: str, *, cwd: Path, path: list[str] | None = None, pre: str = ""
+) -> Any:
     """Load ``payload`` with plain ``pickle.loads`` in a child, run ``check`` on ``obj``.
 
     ``check`` assigns ``result`` (JSON-serialisable), which comes back to the caller.
     """
     code = (
         "import json, pickle\n"
-        "obj = pickle.loads(sys.stdin.buffer.read())\n"
+        + textwrap.dedent(pre)
+        + "\nobj = pickle.loads(sys.stdin.buffer.read())\n"
         + textwrap.dedent(check)
         + "\nsys.stdout.write(json.dumps(result))\n"
     )

@@ -24,7 +24,7 @@ import warnings
 from typing import Any
 
 from cadence.pickling._paths import find_path, format_path, root_label
-from cadence.pickling._reducers import REDUCERS, canonical, class_reduce
+from cadence.pickling._reducers import REDUCERS, canonical, class_reduce, object_reduce
 
 # Everything not listed here is private to cadence.pickling.
 __all__ = [
@@ -95,7 +95,7 @@ class Pickler(pickle.Pickler):
             return reducer(self, obj)
         if isinstance(obj, type):
             return class_reduce(self, obj)
-        return NotImplemented
+        return object_reduce(self, obj)
 
     def dump(self, obj: Any) -> None:
         pruned_messages: list[str] = []

@@ -11,6 +11,7 @@ See [Note: slot policy] for which function slots may be pruned.
 from __future__ import annotations
 
 import abc
+import copyreg
 import dataclasses
 import enum
 import sys
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from cadence.pickling._pickler import Pickler
 
 # Everything not listed here is private to cadence.pickling.
-__all__ = ["REDUCERS", "canonical", "class_reduce", "function_reduce"]
+__all__ = ["REDUCERS", "canonical", "class_reduce", "function_reduce", "object_reduce"]
 
 # [Note: slot policy] A rebuilt function needs its code, closure, ``__defaults__`` and
 # ``__kwdefaults__`` to be called correctly: those slots are *call-critical* and never
@@ -81,13 +82,58 @@ def canonical(pickler: Pickler, value: Any) -> Any:
             pickler._set_proxies[id(value)] = proxy
             pickler._keepalive.append(value)
         return proxy
-    if t is tuple and any(type(v) is set or type(v) is frozenset for v in value):
-        return tuple(canonical(pickler, v) for v in value)
+    if t is tuple and value:
+        # Tuples are immutable, so a copy with proxies inside is safe; keep the original
+        # when nothing changed so memoization still shares it.
+        new = tuple(canonical(pickler, v) for v in value)
+        if any(a is not b for a, b in zip(new, value)):
+            return new
     return value
 
 
 def _canonical_dict(pickler: Pickler, d: dict[Any, Any]) -> dict[Any, Any]:
     return {k: canonical(pickler, v) for k, v in d.items()}
+
+
+_SET_TYPES = (set, frozenset)
+
+
+def _has_set(values: Any) -> bool:
+    return any(type(v) in _SET_TYPES for v in values)
+
+
+def object_reduce(pickler: Pickler, obj: Any) -> Any:
+    """Any other object: its own reduce, with sets in its state made deterministic.
+
+    Only objects without a ``copyreg`` / ``dispatch_table`` entry come here, so those
+    tables keep their precedence. The state is copied only when it holds a set.
+    """
+    t = type(obj)
+    table = getattr(pickler, "dispatch_table", None)
+    if t in copyreg.dispatch_table or (table is not None and t in table):
+        return NotImplemented
+    reduce_ex = getattr(obj, "__reduce_ex__", None)
+    if reduce_ex is None:
+        return NotImplemented
+    rv = reduce_ex(pickler._protocol)
+    if type(rv) is not tuple or len(rv) < 3:
+        return rv
+    state = rv[2]
+    if type(state) is dict:
+        if not _has_set(state.values()):
+            return rv
+        state = _canonical_dict(pickler, state)
+    elif type(state) is tuple and len(state) == 2:
+        parts = [
+            _canonical_dict(pickler, p) if type(p) is dict and _has_set(p.values()) else p
+            for p in state
+        ]
+        if parts[0] is state[0] and parts[1] is state[1]:
+            return rv
+        state = tuple(parts)
+    else:
+        return rv
+    return (rv[0], rv[1], state, *rv[3:])
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,234 @@
+"""Round trips through fresh interpreters: the process boundary is where pickling is real.
+
+Payloads are made here with ``cadence.pickling.dumps`` and loaded in a child with the
+standard ``pickle.loads``, the way ``cadence.launch`` ships functions to its ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import pickle
+import xml.etree.ElementTree
+
+import pytest
+
+from cadence import pickling
+from tests.pickling._harness import ROOT, load_in_child, run_python
+from tests.pickling.fixtures import fx_local_only, fx_model
+
+
+def _make_closures():
+    c = 0
+
+    def inc():
+        nonlocal c
+        c += 1
+        return c
+
+    def get():
+        return c
+
+    def fact(n):
+        return 1 if n <= 1 else n * fact(n - 1)
+
+    if False:
+        unset = 1
+
+    def empty():
+        return unset
+
+    return inc, get, fact, empty
+
+
+def _make_classes():
+    import dataclasses
+    import enum
+
+    class Color(enum.Enum):
+        RED = 1
+        BLUE = 2
+
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float
+        color: Color = Color.RED
+
+        def double(self):
+            return Cfg(self.lr * 2, self.color)
+
+    return Cfg(0.25, Color.BLUE), Color
+
+
+def test_fresh_interpreter_round_trip(tmp_path):
+    def sub():
+        return xml.etree.ElementTree.Comment("hi").tag is xml.etree.ElementTree.Comment
+
+    payload = pickling.dumps(
+        {
+            "closures": _make_closures(),
+            "wrapper": fx_model.h,
+            "uses_h": fx_model.uses_h,
+            "lambda": fx_model.mod_lambda,
+            "partial": functools.partial(lambda a, b: a * b, 6),
+            "sub": sub,
+            "classes": _make_classes(),
+        }
+    )
+    check = """
+    inc, get, fact, empty = obj["closures"]
+    inc(); inc()
+    try:
+        empty()
+        empty_raises = False
+    except NameError:
+        empty_raises = True
+    cfg, Color = obj["classes"]
+    result = {
+        "shared": get(), "fact": fact(5), "empty_raises": empty_raises,
+        "wrapper": obj["wrapper"](2), "qualname": obj["wrapper"].__qualname__,
+        "uses_h": obj["uses_h"](2), "lambda": obj["lambda"](5), "partial": obj["partial"](7),
+        "had_etree": had_etree, "sub": obj["sub"](),
+        "cfg": [cfg.double().lr, cfg.color.name, cfg.color is Color.BLUE],
+    }
+    """
+    pre = 'had_etree = "xml.etree" in sys.modules'
+    got = load_in_child(payload, check, cwd=tmp_path, path=[str(ROOT)], pre=pre)
+    assert got == {
+        "shared": 2,
+        "fact": 120,
+        "empty_raises": True,
+        "wrapper": fx_model.h(2),
+        "qualname": "base",
+        "uses_h": fx_model.uses_h(2),
+        "lambda": 15,
+        "partial": 42,
+        "had_etree": False,
+        "sub": True,
+        "cfg": [0.5, "BLUE", True],
+    }
+
+
+def test_defining_module_not_importable_at_load(tmp_path):
+    pickling.register_pickle_by_value(fx_local_only)
+    try:
+        payload = pickling.dumps(
+            [
+                fx_local_only.uses_helper,
+                fx_local_only.Point(5),
+                fx_local_only.Mode.SLOW,
+                fx_local_only.mod_lambda,
+                fx_local_only.make_closure(3),
+            ]
+        )
+    finally:
+        pickling.unregister_pickle_by_value(fx_local_only)
+    check = """
+    try:
+        import tests.pickling.fixtures.fx_local_only
+        importable = True
+    except ImportError:
+        importable = False
+    uses_helper, point, mode, lam, add3 = obj
+    result = [importable, uses_helper(1), point.shifted(), mode.name, mode.value, lam(1), add3(1),
+              type(mode).FAST.value]
+    """
+    got = load_in_child(payload, check, cwd=tmp_path, path=[])
+    assert got == [False, (1 + 10) * 2, 15, "SLOW", 2, 0, 4, 1]
+
+
+def test_unregistered_closure_loads_without_its_module(tmp_path):
+    # A closure whose globals and cells hold only by-value data needs no import.
+    payload = pickling.dumps(fx_local_only.make_closure(4))
+    got = load_in_child(payload, "result = obj(1)", cwd=tmp_path, path=[])
+    assert got == 5
+
+
+def test_main_closures_and_lambdas_reach_a_plain_loader(tmp_path):
+    # What cadence.launch does: the driver is a script (__main__), the rank loads with
+    # plain pickle.loads in another interpreter.
+    producer = """
+    import sys
+    from cadence import pickling
+    SCALE = 7
+    def helper(x):
+        return x * SCALE
+    def make(k):
+        def step(x):
+            return helper(x) + k
+        return step
+    lam = lambda x: helper(x) - 1
+    class Acc:
+        def __init__(self):
+            self.total = 0
+        def add(self, x):
+            self.total += x
+            return self.total
+    sys.stdout.buffer.write(pickling.dumps((make(3), lam, Acc().add, helper)))
+    """
+    payload = run_python(producer, cwd=tmp_path).stdout
+    got = load_in_child(
+        payload,
+        "step, lam, add, helper = obj\nresult = [step(1), lam(1), add(2), add(3), helper.__module__]",
+        cwd=tmp_path,
+    )
+    assert got == [10, 6, 2, 5, "__main__"]
+
+
+def test_test_module_closures_for_launch(tmp_path):
+    # Closures and lambdas defined in a test module; the rank has the driver's sys.path.
+    k = 5
+    lam = lambda x: x + k  # noqa: E731
+
+    def closure(x):
+        return _make_closures()[2](x) + k
+
+    payload = pickling.dumps((lam, closure))
+    got = load_in_child(payload, "result = [obj[0](1), obj[1](3)]", cwd=tmp_path, path=[str(ROOT)])
+    assert got == [6, 11]
+
+
+SEEDS = ["0", "1", "2", "3", "random"]
+
+
+@pytest.mark.parametrize("protocol", [pickle.HIGHEST_PROTOCOL])
+def test_b30_bytes_identical_across_hash_seeds(tmp_path, protocol):
+    code = f"""
+    import hashlib, sys
+    from cadence import pickling
+    from tests.pickling.fixtures import fx_determinism
+    data = pickling.dumps(fx_determinism.build(), protocol={protocol})
+    sys.stdout.write(hashlib.sha256(data).hexdigest() + " " + str(len(data)))
+    """
+    digests = {
+        seed: run_python(
+            code, cwd=tmp_path, path=[str(ROOT)], env={"PYTHONHASHSEED": seed}
+        ).stdout.decode()
+        for seed in SEEDS
+    }
+    assert len(set(digests.values())) == 1, digests
+    # The payload really holds the string sets (not a trivially small object).
+    assert int(next(iter(digests.values())).split()[1]) > 1000
+
+
+def test_b30_chained_dump_is_stable(tmp_path):
+    # dump here, load in B, dump again in B: the same bytes come back.
+    from tests.pickling.fixtures import fx_determinism
+
+    closure = fx_determinism.build()[0]
+    payload = pickling.dumps(closure)
+    code = """
+    import hashlib, json, pickle
+    from cadence import pickling
+    obj = pickle.loads(sys.stdin.buffer.read())
+    sys.stdout.write(hashlib.sha256(pickling.dumps(obj)).hexdigest())
+    """
+    child = run_python(code, cwd=tmp_path, path=[str(ROOT)], stdin=payload).stdout.decode()
+    assert child == hashlib.sha256(payload).hexdigest()
+
+
+def test_harness_detects_a_wrong_value(tmp_path):
+    # The harness must be able to fail: a wrong expectation does not pass.
+    got = load_in_child(pickling.dumps(lambda: 41), "result = obj()", cwd=tmp_path)
+    assert got != 42 and json.loads(json.dumps(got)) == 41
