@@ -101,13 +101,13 @@ def _cell_setstate(cell: types.CellType, contents: Any) -> None:
 def _make_function(
     code: types.CodeType,
     base_globals: dict[str, Any],
-    name: str,
+    name: str | None,
     closure: tuple[types.CellType, ...] | None,
 ) -> types.FunctionType:
     # A function captures its builtins when it is created (3.10+), so they must be in
     # place now; the real module, never a pickled copy of its dict.
     base_globals.setdefault("__builtins__", builtins)
-    return types.FunctionType(code, base_globals, name, None, closure)
+    return types.FunctionType(code, base_globals, name or code.co_name, None, closure)
 
 
 _UNSET = object()
@@ -122,32 +122,32 @@ def _function_setstate(func: types.FunctionType, state: dict[str, Any]) -> None:
     ``__type_params__``: on 3.10/3.11 there is no slot for the latter and it lives in
     ``__dict__``.
     """
-    g = state.get("globals")
+    g = state.get("@globals")
     if g:
         func.__globals__.update(g)
-    closure = state.get("closure")
+    closure = state.get("@closure")
     if closure:
         freevars = func.__code__.co_freevars
         cells = func.__closure__ or ()
         for name, value in closure.items():
             cells[freevars.index(name)].cell_contents = value
-    d = state.get("dict")
+    d = state.get("@dict")
     if d:
         func.__dict__.update(d)
-    tp = state.get("type_params", _UNSET)
+    tp = state.get("@type_params", _UNSET)
     if tp is not _UNSET:
         func.__type_params__ = tp  # type: ignore[attr-defined]
-    if "defaults" in state:
-        func.__defaults__ = state["defaults"]
-    if "kwdefaults" in state:
-        func.__kwdefaults__ = state["kwdefaults"]
-    if "doc" in state:
-        func.__doc__ = state["doc"]
-    if "annotations" in state:
-        func.__annotations__ = state["annotations"]
-    if "qualname" in state:
-        func.__qualname__ = state["qualname"]
-    func.__module__ = state.get("module")
+    if "@defaults" in state:
+        func.__defaults__ = state["@defaults"]
+    if "@kwdefaults" in state:
+        func.__kwdefaults__ = state["@kwdefaults"]
+    if "@doc" in state:
+        func.__doc__ = state["@doc"]
+    if "@annotations" in state:
+        func.__annotations__ = state["@annotations"]
+    if "@qualname" in state:
+        func.__qualname__ = state["@qualname"]
+    func.__module__ = state.get("@module")
 
 
 # ---------------------------------------------------------------------------------------

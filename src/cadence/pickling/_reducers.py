@@ -144,6 +144,10 @@ def object_reduce(pickler: Pickler, obj: Any) -> Any:
 def function_getstate(pickler: Pickler, func: types.FunctionType) -> dict[str, Any]:
     code = func.__code__
     pruned = pickler._pruned.get(id(func), ())
+    # [Note: state keys] The keys start with "@" so that they are never interned: an
+    # interned key would be the very object of a user string spelled the same (a function
+    # named "closure"), and whether the pickler writes it or a memo reference would then
+    # depend on string identity, which changes when a payload is reloaded and dumped again.
     state: dict[str, Any] = {}
 
     g = func.__globals__
@@ -151,7 +155,7 @@ def function_getstate(pickler: Pickler, func: types.FunctionType) -> dict[str, A
     if names:
         gvals = {n: canonical(pickler, g[n]) for n in names if n in g and n != "__builtins__"}
         if gvals:
-            state["globals"] = gvals
+            state["@globals"] = gvals
 
     if func.__closure__:
         contents: dict[str, Any] = {}
@@ -161,17 +165,17 @@ def function_getstate(pickler: Pickler, func: types.FunctionType) -> dict[str, A
             except ValueError:  # an empty cell stays empty (reading it raises NameError)
                 pass
         if contents:
-            state["closure"] = contents
+            state["@closure"] = contents
 
     # Modules read as globals or from cells may be reached as ``pkg.sub.attr``; name the
     # imported submodules so the loading process imports them too (B20).
-    mods = [v for v in (*state.get("globals", {}).values(), *state.get("closure", {}).values())
+    mods = [v for v in (*state.get("@globals", {}).values(), *state.get("@closure", {}).values())
             if isinstance(v, types.ModuleType)]  # fmt: skip
     if mods:
         attrs = code_attribute_names(code)
         subs = [sub for m in mods for sub in find_submodules(m, attrs)]
         if subs:
-            state["submodules"] = subs
+            state["@submodules"] = subs
 
     if func.__dict__:
         d = {
@@ -180,25 +184,25 @@ def function_getstate(pickler: Pickler, func: types.FunctionType) -> dict[str, A
             if ("__dict__", k) not in pruned
         }
         if d:
-            state["dict"] = d
+            state["@dict"] = d
     tp = getattr(func, "__type_params__", None)
     if tp and ("__type_params__",) not in pruned:
-        state["type_params"] = tp
+        state["@type_params"] = tp
     if func.__defaults__ is not None:
-        state["defaults"] = canonical(pickler, func.__defaults__)
+        state["@defaults"] = canonical(pickler, func.__defaults__)
     if func.__kwdefaults__ is not None:
-        state["kwdefaults"] = _canonical_dict(pickler, func.__kwdefaults__)
-    state["doc"] = None if ("__doc__",) in pruned else func.__doc__
+        state["@kwdefaults"] = _canonical_dict(pickler, func.__kwdefaults__)
+    state["@doc"] = None if ("__doc__",) in pruned else func.__doc__
     ann = func.__annotations__
     if ann:
-        state["annotations"] = {
+        state["@annotations"] = {
             k: v for k, v in ann.items() if ("__annotations__", k) not in pruned
         }
     # FunctionType takes __qualname__ from co_qualname (3.11+); carry it only when it was
     # reassigned, e.g. by functools.wraps. Older Pythons always carry it.
     if func.__qualname__ != getattr(code, "co_qualname", None):
-        state["qualname"] = func.__qualname__
-    state["module"] = func.__module__
+        state["@qualname"] = func.__qualname__
+    state["@module"] = func.__module__
     return state
 
 
@@ -303,9 +307,14 @@ def function_reduce(pickler: Pickler, func: types.FunctionType) -> Any:
         for cell in closure:
             pickler._closure_cells[id(cell)] = cell
     base = _globals_skeleton(pickler, func.__globals__)
+    code = func.__code__
+    # The name travels only when it differs from co_name (wraps renames): a second copy
+    # of an equal string would be memoized or not depending on string identity, which
+    # differs between the dumping process and one that reloaded the function.
+    name = None if func.__name__ == code.co_name else func.__name__
     return (
         R._make_function,
-        (func.__code__, base, func.__name__, closure),
+        (code, base, name, closure),
         function_getstate(pickler, func),
         None,
         None,
