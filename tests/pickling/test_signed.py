@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -92,6 +93,7 @@ def test_header_layout_is_the_documented_one():
     magic, fmt, impl, major, minor, _, length = _signed._HEADER.unpack_from(data)
     assert (magic, fmt) == (b"CDNCPK", 1)
     assert impl.rstrip(b"\x00") == b"cpython"
+    assert (major, minor) == tuple(sys.version_info[:2])
     assert len(data) == _signed._HEADER.size + length + 32
     assert struct.calcsize(">6sB8s2B4sQ") == _signed._HEADER.size
 
