@@ -71,6 +71,9 @@ def _checks_errors(rank: int, world: int, out: dict[str, Any]) -> None:
     handle = m.finalize_backward(async_op=True)
     out["err_second_finalize"] = _error(lambda: m.finalize_backward())
     out["err_forward_pending"] = _error(lambda: m(x))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m.register_optimizer(opt)
+    out["err_step_pending_handle"] = _error(opt.step)
     out["err_unshard_pending"] = _error(lambda: m.unshard())
     handle.wait()
     out["after_wait_forward_ok"] = _error(lambda: m(x).sum()) == "no error"
@@ -93,6 +96,16 @@ def _checks_errors(rank: int, world: int, out: dict[str, Any]) -> None:
     out["err_prefetch_not_unit"] = _error(
         lambda: m.set_modules_to_forward_prefetch([nn.Linear(1, 1)])
     )
+    # optimizer.step() after a manual backward, before finalize_backward().
+    m2 = _model()
+    m2.set_manual_backward_finalization(True)
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    m2.register_optimizer(opt2)
+    m2(x).pow(2).mean().backward()
+    out["err_step_unfinalized"] = _error(opt2.step)
+    m2.finalize_backward()
+    opt2.step()
+    out["step_after_finalize_ok"] = True
 
 
 class _Boom(torch.autograd.Function):

@@ -166,6 +166,15 @@ def test_err_forward_with_pending_handle(r: dict[str, Any]) -> None:
     assert r["after_wait_forward_ok"]
 
 
+def test_err_optimizer_step_with_pending_handle(r: dict[str, Any]) -> None:
+    assert r["err_step_pending_handle"].startswith("FullyShardError: optimizer.step() while")
+
+
+def test_err_optimizer_step_before_manual_finalize(r: dict[str, Any]) -> None:
+    assert "finalize_backward()" in r["err_step_unfinalized"]
+    assert r["step_after_finalize_ok"]
+
+
 def test_err_unshard_with_pending_handle(r: dict[str, Any]) -> None:
     assert r["err_unshard_pending"].startswith("FullyShardError: unshard() while")
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
 from cadence.comm import EventLog, ReductionHandle
@@ -93,6 +94,25 @@ class FullyShardedModule(nn.Module):
         return a `ReductionHandle` whose ``wait()`` writes the sharded ``.grad``.
         """
         return self._runtime.finalize_backward(async_op=async_op)
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Make ``optimizer.step()`` raise while reductions are pending (as DataParallel).
+
+        Pending means a handle not yet waited, or (manual mode) reduce-scatters a
+        backward launched that no ``finalize_backward()`` has written into ``.grad``.
+        """
+        runtime = self._runtime
+
+        def _check(*_: Any) -> None:
+            runtime.check_no_pending_handle("optimizer.step()")
+            if runtime.inflight or runtime.retired:
+                raise FullyShardError(
+                    "optimizer.step() while gradient reductions launched by backward have "
+                    "not been finalized, so .grad is not the reduced gradient yet. Fix: call "
+                    "finalize_backward() (or wait its handle) before optimizer.step()."
+                )
+
+        return optimizer.register_step_pre_hook(_check)
 
     def set_max_inflight_reductions(self, n: int) -> None:
         """Reduce-scatter inputs alive at once during backward (default 1, as FSDP2).
