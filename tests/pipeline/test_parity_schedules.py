@@ -191,11 +191,3 @@ def test_parity_every_schedule_world2():
 def test_parity_every_schedule_world4():
     results = run_distributed(body_parity, _configs(4), SOURCE, world_size=4, timeout=240)
     _check(results, 4)
-
-
-@pytest.mark.skipif(SOURCE == "cadence", reason="the schedule layer's IR is in use")
-def test_gpipe_1f1b_and_v1_schedules_need_the_cadence_ir():
-    pytest.skip(
-        "GPipe, 1F1B, ZB-H1 v=1 and DualPipeV m=p run only from the schedule layer's IR, "
-        "which is not importable yet (cadence.pipeline.generators / passes)"
-    )
