@@ -102,6 +102,21 @@ def _has_set(values: Any) -> bool:
     return any(type(v) in _SET_TYPES for v in values)
 
 
+_PLAIN_TYPES: dict[type, bool] = {}
+
+
+def _is_plain_type(t: type) -> bool:
+    if len(_PLAIN_TYPES) > 4096:  # bound the cache; dynamic classes come and go
+        _PLAIN_TYPES.clear()
+    return (
+        t.__reduce_ex__ is object.__reduce_ex__
+        and t.__reduce__ is object.__reduce__
+        and getattr(t, "__getstate__", None) is getattr(object, "__getstate__", None)
+        and not any("__slots__" in vars(k) for k in t.__mro__)
+        and t not in copyreg.dispatch_table
+    )
+
+
 def object_reduce(pickler: Pickler, obj: Any) -> Any:
     """Any other object: its own reduce, with sets in its state made deterministic.
 
@@ -109,6 +124,15 @@ def object_reduce(pickler: Pickler, obj: Any) -> Any:
     tables keep their precedence. The state is copied only when it holds a set.
     """
     t = type(obj)
+    plain = _PLAIN_TYPES.get(t)
+    if plain is None:
+        plain = _PLAIN_TYPES[t] = _is_plain_type(t)
+    if plain:
+        # The common instance: default reduce, state is its __dict__. Leave it to the C
+        # pickler unless that dict holds a set.
+        d = getattr(obj, "__dict__", None)
+        if d is None or not _has_set(d.values()):
+            return NotImplemented
     table = getattr(pickler, "dispatch_table", None)
     if t in copyreg.dispatch_table or (table is not None and t in table):
         return NotImplemented
@@ -206,7 +230,10 @@ def function_getstate(pickler: Pickler, func: types.FunctionType) -> dict[str, A
     return state
 
 
-_CLASS_DICT_SKIP = frozenset({"__dict__", "__weakref__", "__module__", "__qualname__"})
+# __slotnames__ is copyreg's per-class cache, rebuilt on demand.
+_CLASS_DICT_SKIP = frozenset(
+    {"__dict__", "__weakref__", "__module__", "__qualname__", "__slotnames__"}
+)
 _ENUM_DICT_SKIP = frozenset(
     {
         "_generate_next_value_",
