@@ -636,3 +636,42 @@ def test_dynamic_class_identity_across_two_payloads():
     a = pickle.loads(pickling.dumps(K))
     b = pickle.loads(pickling.dumps(K))
     assert a is K and b is K  # the tracker maps back onto the live class in this process
+
+
+def test_b19_dynamic_module_by_value():
+    mod = types.ModuleType("cadence_test_dynamic_mod")
+    exec("BASE = 40\ndef answer():\n    return BASE + 2\n", mod.__dict__)
+
+    def make():
+        def f():
+            return mod.answer()
+
+        return f
+
+    f = rt(make())
+    assert f() == 42
+    assert f.__closure__[0].cell_contents is not mod  # rebuilt, not the live module
+
+
+def test_container_subclasses_and_plain_instances_unchanged():
+    import collections
+
+    def make():
+        class Box:
+            def __init__(self):
+                self.items = collections.OrderedDict(a=1, b=2)
+                self.counts = collections.defaultdict(int, {"x": 3})
+                self.tags = frozenset({"p", "q"})
+
+        return Box()
+
+    box = rt(make())
+    assert list(box.items.items()) == [("a", 1), ("b", 2)]
+    assert box.counts["x"] == 3 and box.counts["missing"] == 0
+    assert box.tags == frozenset({"p", "q"})
+
+
+def test_builtin_types_by_name():
+    assert rt(types.FunctionType) is types.FunctionType
+    assert rt(type(None)) is type(None)
+    assert rt(len) is len
