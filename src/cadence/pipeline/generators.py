@@ -27,15 +27,15 @@ __all__ = [
     "generate",
     "gpipe",
     "interleaved_1f1b",
-    "looped_bfs",
     "loop_placement",
+    "looped_bfs",
     "one_f_one_b",
     "v_placement",
     "zb_h1",
     "zbv",
 ]
 
-F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 
 
 def loop_placement(p: int, v: int) -> tuple[int, ...]:
@@ -53,7 +53,9 @@ def _check(p: int, m: int, v: int = 1) -> None:
         raise ValueError(f"need p >= 1, m >= 1, v >= 1; got p={p}, m={m}, v={v}")
 
 
-def _make(name: str, rows: Sequence[Sequence[Action]], placement: tuple[int, ...], v: int, m: int) -> Schedule:
+def _make(
+    name: str, rows: Sequence[Sequence[Action]], placement: tuple[int, ...], v: int, m: int
+) -> Schedule:
     meta = ScheduleMeta(generator=name, p=len(rows), v=v, m=m, lowered=False)
     return Schedule(placement, tuple(tuple(r) for r in rows), meta)
 
@@ -66,7 +68,9 @@ def gpipe(p: int, m: int, v: int = 1) -> Schedule:
     _check(p, m)
     if v != 1:
         raise ValueError("gpipe has one stage per rank; use looped_bfs for v > 1")
-    rows = [[Action(F, r, k) for k in range(m)] + [Action(B, r, k) for k in range(m)] for r in range(p)]
+    rows = [
+        [Action(F, r, k) for k in range(m)] + [Action(B, r, k) for k in range(m)] for r in range(p)
+    ]
     return _make("gpipe", rows, loop_placement(p, 1), 1, m)
 
 
@@ -109,7 +113,10 @@ def _interleaved_order(p: int, m: int, v: int, r: int, backward: ActionKind) -> 
         g, w = divmod(k, p * v)
         return Action(backward, (v - 1 - w // p) * p + r, g * p + w % p)
 
-    warm = total if m == p else min(2 * (p - 1 - r) + (v - 1) * p, total)
+    # Megatron runs all forwards first when m == p (full B only: with an I/W split
+    # the regular warm-up leaves less idle time).
+    regular = min(2 * (p - 1 - r) + (v - 1) * p, total)
+    warm = total if (m == p and backward is B) else regular
     row = [fwd(k) for k in range(warm)]
     for i in range(total - warm):
         row += [fwd(warm + i), bwd(i)]
@@ -142,7 +149,11 @@ _Pick = Callable[[int, list[Action], dict], Action | None]
 
 
 def _list_schedule(
-    placement: tuple[int, ...], m: int, pick: _Pick, *, durations: dict[ActionKind, int] | None = None
+    placement: tuple[int, ...],
+    m: int,
+    pick: _Pick,
+    *,
+    durations: dict[ActionKind, int] | None = None,
 ) -> list[list[Action]]:
     """Unit-time greedy scheduler: each free rank runs ``pick(rank, ready, state)``.
 
@@ -184,7 +195,9 @@ def _list_schedule(
         for r in range(p):
             if busy[r] > t or not todo[r]:
                 continue
-            ready = sorted((a for a in todo[r] if is_ready(a, t)), key=lambda a: (a[2], a[1], a[0].value))
+            ready = sorted(
+                (a for a in todo[r] if is_ready(a, t)), key=lambda a: (a[2], a[1], a[0].value)
+            )
             choice = pick(r, [Action(*a) for a in ready], state)
             if choice is None:
                 continue
@@ -215,21 +228,28 @@ def _list_schedule(
 
 def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
     """ZB-H1 (v=1) / interleaved zero bubble (v >= 2): the (interleaved) 1F1B order
-    with B split into I and W, and W moved into the slots where the next F/I is not
-    ready yet. At most p-1-r (times v) W's are deferred, so activation memory stays
-    at the 1F1B level.
+    with B split into I and W, and each W moved into the first slot where the next
+    F/I is not ready yet (or to the end). This reaches the ZB-H1 bubble exactly at
+    equal durations, but W's deferred to the end keep their activations alive: peak
+    memory on rank 0 is up to m chunk activations, above ZB-H1's 1F1B level (a known
+    gap: a memory-capped variant loses bubble with this F/I order).
     """
     _check(p, m, v)
-    orders = {r: (_interleaved_order(p, m, v, r, I) if v > 1 else one_f_one_b(p, m).ranks[r]) for r in range(p)}
+    orders = {
+        r: (_interleaved_order(p, m, v, r, I) if v > 1 else one_f_one_b(p, m).ranks[r])
+        for r in range(p)
+    }
     if v == 1:
-        orders = {r: [Action(I, a.stage, a.mb) if a.kind is B else a for a in o] for r, o in orders.items()}
+        orders = {
+            r: [Action(I, a.stage, a.mb) if a.kind is B else a for a in o]
+            for r, o in orders.items()
+        }
     pos = [0] * p
-    cap = [v * (p - 1 - r) + 1 for r in range(p)]
 
     def pick(r: int, ready: list[Action], state: dict) -> Action | None:
         nxt = orders[r][pos[r]] if pos[r] < len(orders[r]) else None
         ws = [a for a in ready if a.kind is W]
-        if ws and (nxt is None or state["pending_w"][r] >= cap[r]):
+        if ws and nxt is None:
             return ws[0]
         if nxt is not None and nxt in ready:
             pos[r] += 1
@@ -260,7 +280,9 @@ def _v_pick(p: int, *, overlap: bool) -> _Pick:
                 return Action(ActionKind.FB_OVERLAP, f.stage, f.mb, sub=(f, b))
         if bs:
             b = bs[0]
-            return Action(B, b.stage, b.mb) if (overlap and b.kind is I and not ws and not fs) else b
+            return (
+                Action(B, b.stage, b.mb) if (overlap and b.kind is I and not ws and not fs) else b
+            )
         if fs and room:
             return fs[0]
         return ws[0] if ws else None
@@ -312,7 +334,15 @@ _ALIASES = {
     "dualpipe_v": "dualpipev",
     "one_f_one_b": "1f1b",
 }
-_DEFAULT_V = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "looped_bfs": 2, "zb_h1": 1, "zbv": 2, "dualpipev": 2}
+_DEFAULT_V = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved": 2,
+    "looped_bfs": 2,
+    "zb_h1": 1,
+    "zbv": 2,
+    "dualpipev": 2,
+}
 
 
 def generate(name: str, p: int, m: int, v: int | None = None) -> Schedule:

@@ -24,6 +24,7 @@ final gate.
 from __future__ import annotations
 
 from collections import Counter
+
 from cadence.pipeline.ir import Action, ActionKind, Payload, Schedule, ScheduleValidationError
 
 __all__ = [
@@ -118,12 +119,18 @@ def validate_compute(sched: Schedule, m: int | None = None) -> None:
     for s in range(n):
         for k in range(m):
             if not counts[(K.F, s, k)]:
-                raise _err(f"stage {s} (rank {sched.placement[s]}) is missing the forward of microbatch {k}")
+                raise _err(
+                    f"stage {s} (rank {sched.placement[s]}) is missing the forward of microbatch {k}"
+                )
             full, inp, wgt = counts[(K.B, s, k)], counts[(K.I, s, k)], counts[(K.W, s, k)]
             if full == 0 and inp == 0:
-                raise _err(f"stage {s} (rank {sched.placement[s]}) is missing the backward of microbatch {k}")
+                raise _err(
+                    f"stage {s} (rank {sched.placement[s]}) is missing the backward of microbatch {k}"
+                )
             if inp and not wgt:
-                raise _err(f"stage {s}, microbatch {k}: I without its W (the weight gradient is never computed)")
+                raise _err(
+                    f"stage {s}, microbatch {k}: I without its W (the weight gradient is never computed)"
+                )
 
 
 def validate_lowered(sched: Schedule) -> None:
@@ -147,15 +154,21 @@ def validate_lowered(sched: Schedule) -> None:
                 same = sched.placement[src] == sched.placement[dst]
                 if a.kind is K.LOCAL:
                     if not same:
-                        raise _err(f"{where}: LOCAL between stages on ranks {sched.placement[src]} and {sched.placement[dst]}; use SEND/RECV")
+                        raise _err(
+                            f"{where}: LOCAL between stages on ranks {sched.placement[src]} and {sched.placement[dst]}; use SEND/RECV"
+                        )
                     if key not in produced:
                         raise _err(f"{where}: LOCAL before its producer ran on this rank")
                     have.add(key)
                 elif same:
-                    raise _err(f"{where}: {a.kind.name} between stages {src} and {dst} on the same rank; use LOCAL")
+                    raise _err(
+                        f"{where}: {a.kind.name} between stages {src} and {dst} on the same rank; use LOCAL"
+                    )
                 elif a.kind is K.SEND:
                     if key not in produced:
-                        raise _err(f"{where}: SEND before its producer ({src}{'F' if a.payload is Payload.ACT else 'B/I'}{a.mb}) ran")
+                        raise _err(
+                            f"{where}: SEND before its producer ({src}{'F' if a.payload is Payload.ACT else 'B/I'}{a.mb}) ran"
+                        )
                     if key in sends:
                         raise _err(f"{where}: duplicate SEND")
                     sends[key] = (r, i, a)
@@ -177,7 +190,9 @@ def validate_lowered(sched: Schedule) -> None:
                 issued_reduce.add(a.stage)
             elif a.kind is K.WAIT_REDUCE_GRAD:
                 if a.stage not in issued_reduce:
-                    raise _err(f"{where}: WAIT_REDUCE_GRAD for stage {a.stage} before its REDUCE_GRAD")
+                    raise _err(
+                        f"{where}: WAIT_REDUCE_GRAD for stage {a.stage} before its REDUCE_GRAD"
+                    )
                 issued_reduce.discard(a.stage)
         for key in sorted(have, key=str):
             src, dst, payload, mb, _ = key
@@ -187,10 +202,14 @@ def validate_lowered(sched: Schedule) -> None:
             )
     for key, (r, i, a) in recvs.items():
         if key not in sends:
-            raise _err(f"rank {r}, action {i} ({a}): RECV without a matching SEND on rank {sched.placement[key[0]]}")
+            raise _err(
+                f"rank {r}, action {i} ({a}): RECV without a matching SEND on rank {sched.placement[key[0]]}"
+            )
     for key, (r, i, a) in sends.items():
         if key not in recvs:
-            raise _err(f"rank {r}, action {i} ({a}): SEND without a matching RECV on rank {sched.placement[key[1]]}")
+            raise _err(
+                f"rank {r}, action {i} ({a}): SEND without a matching RECV on rank {sched.placement[key[1]]}"
+            )
 
 
 # -- lowering --------------------------------------------------------------------
@@ -214,7 +233,17 @@ def add_comms(sched: Schedule) -> Schedule:
                     rows[r].append(Action(K.LOCAL, src, mb, peer_stage=dst, payload=payload))
                 else:
                     ch = (r, place[dst])
-                    rows[r].append(Action(K.SEND, src, mb, peer_stage=dst, payload=payload, channel=ch, seq=seq[ch]))
+                    rows[r].append(
+                        Action(
+                            K.SEND,
+                            src,
+                            mb,
+                            peer_stage=dst,
+                            payload=payload,
+                            channel=ch,
+                            seq=seq[ch],
+                        )
+                    )
                     send_seq[(src, dst, payload, mb)] = (ch, seq[ch])
                     seq[ch] += 1
     # Pass 2: consumer side. RECV k on a channel goes before its consumer and
@@ -228,12 +257,14 @@ def add_comms(sched: Schedule) -> Schedule:
                 for src, dst, payload, mb in inputs_of(a, n):
                     if place[src] != r:
                         ch, sq = send_seq[(src, dst, payload, mb)]
-                        recv = Action(K.RECV, dst, mb, peer_stage=src, payload=payload, channel=ch, seq=sq)
+                        recv = Action(
+                            K.RECV, dst, mb, peer_stage=src, payload=payload, channel=ch, seq=sq
+                        )
                         by_channel.setdefault(ch, []).append((sq, i, recv))
         for items in by_channel.values():
             items.sort(key=lambda x: x[0])
             bound = len(row)
-            for sq, i, recv in reversed(items):
+            for _sq, i, recv in reversed(items):
                 bound = min(bound, i)
                 want.setdefault(bound, []).append(recv)
         new: list[Action] = []
@@ -252,20 +283,16 @@ def apply_parity_rule(sched: Schedule) -> Schedule:
     for r, acts in enumerate(sched.ranks):
         new: list[Action] = []
         run: list[Action] = []
-
-        def flush() -> None:
-            # Stable: a RECV from a higher-ranked peer moves ahead of SENDs in the run.
-            first = [a for a in run if a.kind is K.RECV and a.channel and a.channel[0] > r]
-            new.extend(first + [a for a in run if a not in first])
-            run.clear()
-
-        for a in acts:
-            if a.kind in (K.SEND, K.RECV):
+        for a in [*acts, None]:
+            if a is not None and a.kind in (K.SEND, K.RECV):
                 run.append(a)
-            else:
-                flush()
+                continue
+            # Stable: a RECV from a higher-ranked peer moves ahead of SENDs in the run.
+            first = [x for x in run if x.kind is K.RECV and x.channel and x.channel[0] > r]
+            new.extend(first + [x for x in run if x not in first])
+            run = []
+            if a is not None:
                 new.append(a)
-        flush()
         out.append(new)
     return sched.with_ranks(out)
 
@@ -323,7 +350,9 @@ def add_wait_reduce(sched: Schedule) -> Schedule:
     return sched.with_ranks(out)
 
 
-def lower(sched: Schedule, *, reduce_grad: bool = True, parity: bool = True, repair: bool = True) -> Schedule:
+def lower(
+    sched: Schedule, *, reduce_grad: bool = True, parity: bool = True, repair: bool = True
+) -> Schedule:
     """Compute-only -> the lowered schedule the runtime executes (see module docstring)."""
     low = add_comms(sched)
     if parity:
@@ -334,4 +363,3 @@ def lower(sched: Schedule, *, reduce_grad: bool = True, parity: bool = True, rep
         low = add_wait_reduce(add_reduce_grad(low))
     validate_lowered(low)
     return low
-

@@ -88,7 +88,12 @@ class TimeModel:
             raise ValueError("TimeModel.beta (bytes per time unit) must be > 0")
 
     def duration(self, a: Action, v: int) -> float:
-        base = {K.F: self.f, K.I: self.i, K.W: self.w, K.B: self.b if self.b is not None else self.i + self.w}
+        base = {
+            K.F: self.f,
+            K.I: self.i,
+            K.W: self.w,
+            K.B: self.b if self.b is not None else self.i + self.w,
+        }
         total = sum(base[c.kind] for c in a.compute_parts())
         return total / v if self.scale_by_chunks else total
 
@@ -108,8 +113,12 @@ class SimResult:
     peak_inflight: tuple[int, ...]  # chunk activations alive at once, per rank
     mode: str
     send: str
-    events: tuple[tuple[int, str, float, float], ...] = field(repr=False, default=())  # rank, action, start, end
-    flows: tuple[tuple[int, int, float, float, str], ...] = field(repr=False, default=())  # src, dst, t_send, t_recv, label
+    events: tuple[tuple[int, str, float, float], ...] = field(
+        repr=False, default=()
+    )  # rank, action, start, end
+    flows: tuple[tuple[int, int, float, float, str], ...] = field(
+        repr=False, default=()
+    )  # src, dst, t_send, t_recv, label
 
     def summary(self) -> str:
         lines = [
@@ -117,15 +126,31 @@ class SimResult:
             f"bubble within rank spans {self.bubble_in_span:.4f}"
         ]
         for r, (b, pk) in enumerate(zip(self.busy, self.peak_inflight, strict=True)):
-            lines.append(f"  rank {r}: busy {b:g}, idle {self.makespan - b:g}, peak in-flight activations {pk}")
+            lines.append(
+                f"  rank {r}: busy {b:g}, idle {self.makespan - b:g}, peak in-flight activations {pk}"
+            )
         return "\n".join(lines)
 
 
 class _Op:
-    __slots__ = ("rank", "index", "action", "channel", "group", "post", "match", "done", "pos")
+    __slots__ = ("action", "channel", "done", "group", "index", "match", "pos", "post", "rank")
 
-    def __init__(self, rank: int, index: int, action: Action, channel: tuple[int, int], group: Any, post: float) -> None:
-        self.rank, self.index, self.action, self.channel, self.group = rank, index, action, channel, group
+    def __init__(
+        self,
+        rank: int,
+        index: int,
+        action: Action,
+        channel: tuple[int, int],
+        group: Any,
+        post: float,
+    ) -> None:
+        self.rank, self.index, self.action, self.channel, self.group = (
+            rank,
+            index,
+            action,
+            channel,
+            group,
+        )
         self.post = post
         self.match: float | None = None
         self.done: float | None = None
@@ -137,12 +162,21 @@ def _label(src: int, dst: int, payload: Payload, mb: int) -> str:
 
 
 class _Sim:
-    def __init__(self, sched: Schedule, mode: str, send: str, eager: int, serialize: bool, time: TimeModel) -> None:
+    def __init__(
+        self, sched: Schedule, mode: str, send: str, eager: int, serialize: bool, time: TimeModel
+    ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if send not in ("rendezvous", "eager"):
             raise ValueError(f"send must be 'rendezvous' or 'eager', got {send!r}")
-        self.s, self.mode, self.send, self.eager, self.serialize, self.tm = sched, mode, send, eager, serialize, time
+        self.s, self.mode, self.send, self.eager, self.serialize, self.tm = (
+            sched,
+            mode,
+            send,
+            eager,
+            serialize,
+            time,
+        )
         self.p, self.n = sched.num_ranks, sched.num_stages
         self.v = max(1, self.n // self.p)
         self.pc = [0] * self.p
@@ -248,7 +282,9 @@ class _Sim:
             op = self._post(r, i, a, self.sends)
             self.sent_by[(self._key(a), a.slot)] = op
             if self.send == "eager":
-                buffered = sum(1 for o in self._rank_sends(r) if o.match is None and o.done is not None)
+                buffered = sum(
+                    1 for o in self._rank_sends(r) if o.match is None and o.done is not None
+                )
                 if buffered < self.eager:
                     op.done = op.post
             self.pc[r] += 1
@@ -375,11 +411,19 @@ class _Sim:
                 loop = path[path.index(r) :]
                 for x in loop:
                     i, a, op, peer, _ = info[x]
-                    cycle.append((x, str(a), op.channel if op else None, op.pos if op else None, peer))
+                    cycle.append(
+                        (x, str(a), op.channel if op else None, op.pos if op else None, peer)
+                    )
                 break
-        lines = ["schedule deadlocks (" + f"send={self.send}, mode={self.mode}, serialize={self.serialize})"]
+        lines = [
+            "schedule deadlocks ("
+            + f"send={self.send}, mode={self.mode}, serialize={self.serialize})"
+        ]
         if cycle:
-            parts = [f"rank {x} -[{a}, channel {ch[0]}->{ch[1]}, seq {sq}]->" for x, a, ch, sq, _ in cycle]
+            parts = [
+                f"rank {x} -[{a}, channel {ch[0]}->{ch[1]}, seq {sq}]->"
+                for x, a, ch, sq, _ in cycle
+            ]
             lines.append("wait-for cycle: " + " ".join(parts) + f" rank {cycle[0][0]}")
         lines.append("first blocked action per rank:")
         for r in sorted(info):
@@ -391,7 +435,10 @@ class _Sim:
 
     def result(self) -> SimResult:
         makespan = max(self.last) if self.p else 0.0
-        span = tuple((lt - ft) if ft != math.inf else 0.0 for ft, lt in zip(self.first, self.last, strict=True))
+        span = tuple(
+            (lt - ft) if ft != math.inf else 0.0
+            for ft, lt in zip(self.first, self.last, strict=True)
+        )
         total = sum(self.busy)
         bubble = 1 - total / (self.p * makespan) if makespan else 0.0
         in_span = 1 - total / sum(span) if sum(span) else 0.0
@@ -446,7 +493,7 @@ def _structural_blocked_send(sched: Schedule) -> tuple[int, int, int] | None:
     try:
         sim.run()
     except ScheduleDeadlockError:
-        for r, (_, _, op, peer, _) in sorted(sim.blocked_info().items()):
+        for _r, (_, _, op, peer, _) in sorted(sim.blocked_info().items()):
             if op is None or peer is None or op.match is not None or op.channel[0] != op.rank:
                 continue
             acts = sched.ranks[peer]
@@ -465,9 +512,38 @@ def chrome_trace(result: SimResult, *, time_unit_us: float = 1000.0) -> dict[str
     for r in sorted({e[0] for e in result.events}):
         ev.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
     for r, name, start, end in result.events:
-        ev.append({"ph": "X", "name": name, "pid": r, "tid": 0, "ts": start * time_unit_us, "dur": (end - start) * time_unit_us})
+        ev.append(
+            {
+                "ph": "X",
+                "name": name,
+                "pid": r,
+                "tid": 0,
+                "ts": start * time_unit_us,
+                "dur": (end - start) * time_unit_us,
+            }
+        )
     for k, (src, dst, ts, tr, label) in enumerate(result.flows):
-        ev.append({"ph": "s", "id": k, "name": label, "cat": "p2p", "pid": src, "tid": 0, "ts": ts * time_unit_us})
-        ev.append({"ph": "f", "bp": "e", "id": k, "name": label, "cat": "p2p", "pid": dst, "tid": 0, "ts": tr * time_unit_us})
+        ev.append(
+            {
+                "ph": "s",
+                "id": k,
+                "name": label,
+                "cat": "p2p",
+                "pid": src,
+                "tid": 0,
+                "ts": ts * time_unit_us,
+            }
+        )
+        ev.append(
+            {
+                "ph": "f",
+                "bp": "e",
+                "id": k,
+                "name": label,
+                "cat": "p2p",
+                "pid": dst,
+                "tid": 0,
+                "ts": tr * time_unit_us,
+            }
+        )
     return {"traceEvents": ev, "displayTimeUnit": "ms"}
-
