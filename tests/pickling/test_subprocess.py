@@ -232,3 +232,23 @@ def test_harness_detects_a_wrong_value(tmp_path):
     # The harness must be able to fail: a wrong expectation does not pass.
     got = load_in_child(pickling.dumps(lambda: 41), "result = obj()", cwd=tmp_path)
     assert got != 42 and json.loads(json.dumps(got)) == 41
+
+
+def test_dynamic_class_loaded_twice_is_one_class_in_the_child(tmp_path):
+    def make():
+        class Item:
+            def __init__(self, v):
+                self.v = v
+
+        return Item
+
+    item_cls = make()
+    first = pickling.dumps(item_cls(1))
+    second = pickling.dumps(item_cls(2))
+    check = f"""
+    a = obj
+    b = pickle.loads({second!r})
+    result = [type(a) is type(b), isinstance(b, type(a)), a.v, b.v, type(a).__qualname__]
+    """
+    got = load_in_child(first, check, cwd=tmp_path)
+    assert got == [True, True, 1, 2, item_cls.__qualname__]

@@ -200,6 +200,12 @@ def _make_skeleton_class(
     type_kwargs: dict[str, Any],
     tracker_id: str,
 ) -> type:
+    existing = _TRACKER_BY_ID.get(tracker_id)
+    if existing is not None:
+        # Do not even build a throwaway skeleton: it would run the bases'
+        # __init_subclass__ (plugin registries and the like) a second time.
+        return existing
+
     def body(ns: dict[str, Any]) -> None:
         ns.update(type_kwargs)
         ns["__qualname__"] = qualname
@@ -218,6 +224,9 @@ def _make_skeleton_enum(
 ) -> type:
     # Members must exist when the enum class is created (EnumMeta builds them in __new__),
     # so unlike other classes they travel with the skeleton, not the state.
+    existing = _TRACKER_BY_ID.get(tracker_id)
+    if existing is not None:
+        return existing
     metacls = type(bases[-1])
     classdict = metacls.__prepare__(name, bases)  # type: ignore[attr-defined]
     for member_name, value in members.items():
