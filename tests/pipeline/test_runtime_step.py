@@ -70,7 +70,25 @@ def body_behaviour(name: str, v: int):
                 float(torch.stack(losses).mean()) - float(TinyGPT.loss(ref(x), y))
             )
 
-    # 4. channels and LOCAL hand-offs as recorded, against the plan
+    # 4. a lowered schedule that fails the simulator is refused on every rank,
+    #    before any group: here rank 1 posts its receives out of FIFO order
+    if SOURCE == "cadence":
+        import dataclasses
+
+        from cadence.pipeline import generators, passes
+
+        low = passes.lower(generators.generate("gpipe", p, 2))
+        r_last = list(low.ranks[p - 1])
+        a, b = r_last[0], r_last[2]  # RECV_F0, (F0), RECV_F1
+        r_last = [dataclasses.replace(a, mb=1), dataclasses.replace(b, mb=0), r_last[1], r_last[3]]
+        bad = low.with_ranks([*low.ranks[: p - 1], r_last + list(low.ranks[p - 1][4:])])
+        try:
+            build_pipeline(bad, _model(p).split_stages(p), n_microbatches=2, loss_fn=TinyGPT.loss)
+            out["refused"] = "accepted"
+        except Exception as e:
+            out["refused"] = f"{type(e).__name__}: {e}"
+
+    # 5. channels and LOCAL hand-offs as recorded, against the plan
     log = EventLog()
     chunks = _model(n).split_stages(n)
     rt = build_pipeline(
@@ -119,6 +137,8 @@ def test_runtime_behaviour_interleaved_and_v():
                 assert out["eval_logits_diff"] <= 1e-5 and out["eval_loss_diff"] <= 1e-6
             assert out["op_channel_matches"], (name, rank)
             assert set(out["recorded_channels"]) <= set(out["plan_channels"])
+            if "refused" in out:
+                assert out["refused"].startswith("FifoMismatchError"), out["refused"]
         # looped placement at world 2: the wrap-around 1 -> 2 is channel (1 -> 0)
         assert "pp1->0" in res["interleaved"]["recorded_channels"]
         assert res["interleaved"]["local_pairs"] == []

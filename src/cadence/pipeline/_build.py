@@ -116,13 +116,13 @@ def build_pipeline(
             from cadence.pipeline import _cadence_ir
 
             ops, placement, extra = _cadence_ir.lower_named(
-                canonical_name(schedule), pp, chunks, n_microbatches
+                canonical_name(schedule), pp, chunks, n_microbatches, channel_mode
             )
             implicit_local = False
     else:
         from cadence.pipeline import _cadence_ir
 
-        ops, placement, extra = _cadence_ir.lower_schedule(schedule)
+        ops, placement, extra = _cadence_ir.lower_schedule(schedule, channel_mode)
         implicit_local = False
     mine = sorted(s for s, r in placement.items() if r == pp_rank)
     dev = torch.device(device) if device is not None else (groups.device if groups else "cpu")
