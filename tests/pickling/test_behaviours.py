@@ -362,3 +362,63 @@ def test_b18_builtins_are_the_real_module():
     assert f.__globals__["__builtins__"] is builtins
 
 
+
+
+# Regressions from the PyTorch stack ----------------------------------------------------
+def test_recursion_through_globals_and_mutual_pair_terminate():
+    ns: dict = {"__name__": "not_importable_scope"}
+    exec(
+        "def fact(n):\n    return 1 if n <= 1 else n * fact(n - 1)\n"
+        "def is_even(n):\n    return True if n == 0 else is_odd(n - 1)\n"
+        "def is_odd(n):\n    return False if n == 0 else is_even(n - 1)\n",
+        ns,
+    )
+    fact, is_even = rt((ns["fact"], ns["is_even"]))
+    assert fact(5) == 120
+    assert is_even(10) is True and is_even(7) is False
+    assert fact.__globals__ is is_even.__globals__
+
+
+def test_clique_of_functions_in_dicts_is_linear():
+    import time
+
+    def make(i):
+        def f():
+            return i
+
+        return f
+
+    funcs = [make(i) for i in range(8)]
+    for f in funcs:
+        for j, g in enumerate(funcs):
+            setattr(f, f"peer{j}", g)
+    funcs[3].lock = threading.Lock()  # one prune: one restart, not one per path
+    t0 = time.perf_counter()
+    with pytest.warns(pickling.PrunedSlotWarning):
+        loaded = rt(funcs)
+    assert time.perf_counter() - t0 < 5.0
+    assert [f() for f in loaded] == list(range(8))
+    assert loaded[0].peer5 is loaded[5] and not hasattr(loaded[3], "lock")
+
+
+def test_shared_cell_through_a_wraps_wrapper():
+    def make():
+        state = {"calls": 0}
+
+        def base(x):
+            state["calls"] += 1
+            return x
+
+        @functools.wraps(base)
+        def wrapper(x):
+            return base(x) + state["calls"]
+
+        def calls():
+            return state["calls"]
+
+        return wrapper, calls
+
+    wrapper, calls = rt(make())
+    assert wrapper(10) == 11
+    assert wrapper.__wrapped__(0) == 0
+    assert calls() == 2
