@@ -22,6 +22,22 @@ def rt(obj, protocol=None):
     return pickle.loads(pickling.dumps(obj, protocol=protocol))
 
 
+def rt_rebuilt(obj):
+    """Round trip with the class tracker emptied, so dynamic classes are rebuilt here
+    (otherwise the tracker hands back the live classes and the test proves nothing)."""
+    import weakref
+
+    from cadence.pickling import _reconstructors as R
+
+    data = pickling.dumps(obj)
+    saved = R._TRACKER_BY_ID, R._COMPLETE
+    R._TRACKER_BY_ID, R._COMPLETE = weakref.WeakValueDictionary(), weakref.WeakSet()
+    try:
+        return pickle.loads(data)
+    finally:
+        R._TRACKER_BY_ID, R._COMPLETE = saved
+
+
 # B1 ------------------------------------------------------------------------------------
 def test_b1_empty_cell_stays_empty():
     def make():
@@ -217,7 +233,7 @@ def test_b9_annotations_naming_a_local_class():
 
         return inner
 
-    inner = rt(make())
+    inner = rt_rebuilt(make())
     assert inner.__annotations__["x"].__name__ == "Cfg"
     assert inner.__annotations__["y"] is int
     assert inner.__annotations__["return"] is int

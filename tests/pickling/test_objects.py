@@ -23,6 +23,22 @@ def rt(obj, protocol=None):
     return pickle.loads(pickling.dumps(obj, protocol=protocol))
 
 
+def rt_rebuilt(obj):
+    """Round trip with the class tracker emptied, so dynamic classes are rebuilt here
+    (otherwise the tracker hands back the live classes and the test proves nothing)."""
+    import weakref
+
+    from cadence.pickling import _reconstructors as R
+
+    data = pickling.dumps(obj)
+    saved = R._TRACKER_BY_ID, R._COMPLETE
+    R._TRACKER_BY_ID, R._COMPLETE = weakref.WeakValueDictionary(), weakref.WeakSet()
+    try:
+        return pickle.loads(data)
+    finally:
+        R._TRACKER_BY_ID, R._COMPLETE = saved
+
+
 # B19 / B20 -----------------------------------------------------------------------------
 def test_b19_modules_by_reference():
     import json
@@ -81,9 +97,10 @@ def test_b21_local_classes_enums_dataclasses_and_instances():
     Color, Cfg, Child = make()
     child = Child()
     child.v = 7
-    Color2, Cfg2, Child2, red, cfg, child2 = rt(
+    Color2, Cfg2, Child2, red, cfg, child2 = rt_rebuilt(
         (Color, Cfg, Child, Color.BLUE, Cfg(0.1, ["a"]), child)
     )
+    assert Color2 is not Color and Cfg2 is not Cfg and Child2 is not Child
     assert red is Color2.BLUE and red.shout() == "BLUE"
     assert [f.name for f in dataclasses.fields(Cfg2)] == ["lr", "tags"]
     assert cfg == Cfg2(0.1, ["a"]) and Cfg2(1.0).tags == []
@@ -333,3 +350,26 @@ def test_builtin_types_by_name():
     assert rt(types.FunctionType) is types.FunctionType
     assert rt(type(None)) is type(None)
     assert rt(len) is len
+
+
+def test_local_abc_keeps_its_registry():
+    import abc
+
+    def make():
+        class Shape(abc.ABC):
+            @abc.abstractmethod
+            def area(self): ...
+
+        class Square:
+            def area(self):
+                return 4
+
+        Shape.register(Square)
+        return Shape, Square
+
+    classes = make()
+    shape, square = rt_rebuilt(classes)
+    assert shape is not classes[0] and square is not classes[1]
+    assert isinstance(square(), shape)
+    with pytest.raises(TypeError):
+        shape()
