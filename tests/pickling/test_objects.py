@@ -373,3 +373,30 @@ def test_local_abc_keeps_its_registry():
     assert isinstance(square(), shape)
     with pytest.raises(TypeError):
         shape()
+
+
+def test_local_class_descriptors_rebuilt():
+    def make():
+        class K:
+            base = 2
+
+            @property
+            def twice(self):
+                return self.base * 2
+
+            @classmethod
+            def make(cls):
+                return cls()
+
+            @staticmethod
+            def add(a, b):
+                return a + b
+
+        return K
+
+    live = make()
+    k = rt_rebuilt(live)
+    assert k is not live
+    assert isinstance(k.__dict__["twice"], property)
+    assert k.make().twice == 4 and k.add(2, 3) == 5
+    assert rt(types.MappingProxyType({"a": 1})) == {"a": 1}
