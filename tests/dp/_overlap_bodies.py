@@ -40,26 +40,15 @@ def pattern_a() -> dict[str, Any]:
     out: dict[str, Any] = {"buckets": tr.dp.num_buckets, "order": [], "grad": 0.0}
     for step in range(STEPS):
         tr.log.clear()
-        # Stop just before the optimizer steps to compare gradients, then step both sides.
-        ids, x, y = tr.local_batch(step)
-        tr.dense_opt.zero_grad(set_to_none=True)
-        tr.sparse_opt.zero_grad(set_to_none=True)
-        F.mse_loss(ex_a.forward(tr.bag, tr.dp, ids, x), y).backward()
-        launched_in_backward = tr.log.count("all_reduce", group="dp")
-        tr.log.mark("sparse_start")
-        ex_a.average_sparse_grad(tr.sparse_comm, tr.bag)
-        tr.sparse_opt.step()
-        tr.log.mark("sparse_end")
+        tr.step_overlapped(step)  # the example's own step
+        # SGD does not touch .grad: these are the gradients the steps used.
         sparse_grad = _dense_grad(tr.bag.weight.grad)
-        tr.dp.finalize_backward()
         dense_grads = _strip(named_grads(tr.dp))
-        tr.dense_opt.step()
 
         start, end = tr.log.marks("sparse_start")[0], tr.log.marks("sparse_end")[0]
         dense = tr.log.collectives("all_reduce", group="dp")
         out["order"].append(
             {
-                "launched_in_backward": launched_in_backward,
                 "issued": len(dense),
                 "issued_before_start": sum(e.issue_t < start.issue_t for e in dense),
                 "seq_before_start": sum(e.seq < start.seq for e in dense),
@@ -69,18 +58,12 @@ def pattern_a() -> dict[str, Any]:
             }
         )
 
-        # The oracle up to its gradients, compared, then its optimizer steps.
-        ids_g, x_g, y_g = ex_a.global_batch(step, world)
-        for opt in opts_ref:
-            opt.zero_grad(set_to_none=True)
-        F.mse_loss(ex_a.forward(bag_ref, mlp_ref, ids_g, x_g), y_g).backward()
+        ex_a.reference_step(bag_ref, mlp_ref, opts_ref, step, world)
         grad_diff = max(
             max_abs_diff(dense_grads, named_grads(mlp_ref)),
             max_abs_diff(sparse_grad, _dense_grad(bag_ref.weight.grad)),
         )
         out["grad"] = max(out["grad"], grad_diff)
-        for opt in opts_ref:
-            opt.step()
     out["param"] = max(
         max_abs_diff(_strip(named_params(tr.dp)), named_params(mlp_ref)),
         max_abs_diff(tr.bag.weight.detach(), bag_ref.weight.detach()),

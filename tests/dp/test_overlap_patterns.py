@@ -27,8 +27,9 @@ def test_a_dense_all_reduce_in_flight_across_the_sparse_work(
         assert n >= 2, "the example should have several buckets"
         for step, o in enumerate(r["a"]["order"]):
             where = f"rank {rank} step {step}"
-            # Backward launched every bucket; finalize added none.
-            assert o["launched_in_backward"] == n and o["issued"] == n, where
+            # Backward issued every bucket (by log order and clock) before the sparse
+            # work began; finalize issued none.
+            assert o["issued"] == n, where
             assert o["issued_before_start"] == n, where
             assert o["seq_before_start"] == n, where
             # And none was waited before the sparse work had finished.
