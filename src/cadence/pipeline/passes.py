@@ -157,7 +157,7 @@ def validate_lowered(sched: Schedule) -> None:
                         raise _err(
                             f"{where}: LOCAL between stages on ranks {sched.placement[src]} and {sched.placement[dst]}; use SEND/RECV"
                         )
-                    if key not in produced:
+                    if key[:4] not in produced:
                         raise _err(f"{where}: LOCAL before its producer ran on this rank")
                     have.add(key)
                 elif same:
@@ -165,7 +165,7 @@ def validate_lowered(sched: Schedule) -> None:
                         f"{where}: {a.kind.name} between stages {src} and {dst} on the same rank; use LOCAL"
                     )
                 elif a.kind is K.SEND:
-                    if key not in produced:
+                    if key[:4] not in produced:
                         raise _err(
                             f"{where}: SEND before its producer ({src}{'F' if a.payload is Payload.ACT else 'B/I'}{a.mb}) ran"
                         )
@@ -185,7 +185,7 @@ def validate_lowered(sched: Schedule) -> None:
                             f"microbatch {key[3]}, but no earlier RECV or LOCAL on rank {r} provides it"
                         )
                     have.discard((*key, 0))
-                produced.update((*o, 0) for o in outputs_of(a, n))
+                produced.update(outputs_of(a, n))
             elif a.kind is K.REDUCE_GRAD:
                 issued_reduce.add(a.stage)
             elif a.kind is K.WAIT_REDUCE_GRAD:
@@ -288,13 +288,20 @@ def apply_parity_rule(sched: Schedule) -> Schedule:
                 run.append(a)
                 continue
             # Stable: a RECV from a higher-ranked peer moves ahead of SENDs in the run.
-            first = [x for x in run if x.kind is K.RECV and x.channel and x.channel[0] > r]
+            first = [x for x in run if x.kind is K.RECV and _src_rank(sched, x) > r]
             new.extend(first + [x for x in run if x not in first])
             run = []
             if a is not None:
                 new.append(a)
         out.append(new)
     return sched.with_ranks(out)
+
+
+def _src_rank(sched: Schedule, a: Action) -> int:
+    if a.channel is not None:
+        return a.channel[0]
+    peer = a.peer_stage if a.peer_stage is not None else a.default_peer
+    return sched.placement[peer] if peer is not None else -1
 
 
 def repair_deadlocks(sched: Schedule, *, max_moves: int | None = None) -> Schedule:
