@@ -55,7 +55,7 @@ def test_missing_backward() -> None:
 
 
 def test_microbatch_out_of_range() -> None:
-    with pytest.raises(ScheduleValidationError, match="microbatch 2 is out of range 0..1"):
+    with pytest.raises(ScheduleValidationError, match=r"microbatch 2 is out of range 0\.\.1"):
         validate_compute(_sched([["0F0", "0F2", "0B0"], ["1F0", "1B0"]], m=2))
 
 

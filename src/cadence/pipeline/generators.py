@@ -271,13 +271,14 @@ def _v_pick(p: int, *, overlap: bool) -> _Pick:
         ws = [a for a in ready if a.kind is W]
         # Only first-chunk forwards are capped: a second-chunk forward is what
         # lets the microbatch turn and free memory, so capping it could stall.
-        fs = [a for a in fs if a.stage >= p or state["inflight"][r] < 2 * (p - r)]
-        room = bool(fs)
         if overlap and bs and fs:
+            # Overlapping frees as much as it allocates, so the cap does not apply.
             f = fs[0]
             b = Action(B, bs[0].stage, bs[0].mb)
             if f.stage != b.stage:
                 return Action(ActionKind.FB_OVERLAP, f.stage, f.mb, sub=(f, b))
+        fs = [a for a in fs if a.stage >= p or state["inflight"][r] < 2 * (p - r)]
+        room = bool(fs)
         if bs:
             b = bs[0]
             return (
