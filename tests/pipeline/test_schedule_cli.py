@@ -28,7 +28,7 @@ def test_show_interleaved_and_csv(tmp_path, capsys) -> None:
     from cadence.pipeline import generate
 
     assert _run(["schedule", "show", "interleaved", "--pp", "2", "--microbatches", "4", "--chunks", "2"]) == 0
-    assert "channels (4)" in capsys.readouterr().out
+    assert "channels (2): 0->1, 1->0" in capsys.readouterr().out
     path = tmp_path / "s.csv"
     generate("zbv", 2, 4).to_csv(path)
     assert _run(["schedule", "show", str(path)]) == 0

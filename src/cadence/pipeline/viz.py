@@ -33,7 +33,7 @@ def ascii_grid(result: SimResult, *, cell: float | None = None) -> str:
         return "(empty schedule)"
     durations = [e - s for _, _, s, e in result.events if e > s]
     unit = cell or min(durations)
-    cols = int(math.ceil(result.makespan / unit - 1e-9))
+    cols = math.ceil(result.makespan / unit - 1e-9)
     ranks = sorted({e[0] for e in result.events})
     lines = ["time/" + f"{unit:g}: " + "".join(f"{c % 10:<3d}" for c in range(cols))]
     for r in ranks:
@@ -41,7 +41,7 @@ def ascii_grid(result: SimResult, *, cell: float | None = None) -> str:
         for rr, name, s, e in result.events:
             if rr != r:
                 continue
-            a, b = int(round(s / unit)), int(math.ceil(e / unit - 1e-9))
+            a, b = round(s / unit), math.ceil(e / unit - 1e-9)
             kind = _kind(name)
             label = "X" if kind == "OVERLAP_F_B" else kind
             mb = "".join(ch for ch in name.split(label if label != "X" else ")")[-1] if ch.isdigit())[-1:]
