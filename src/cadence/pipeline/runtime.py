@@ -77,7 +77,7 @@ def channels_of(ops: Mapping[int, Sequence[Op]]) -> list[tuple[int, int]]:
 class PipelineRuntime:
     """Execute a lowered pipeline schedule on this rank.
 
-    Usually built by `build_runtime` (``runtime_build.py``) from a cadence
+    Usually built by `build_pipeline` (``_build.py``) from a cadence
     ``Schedule``; this constructor takes the per-rank `Op` lists directly.
 
     Args:
