@@ -56,6 +56,8 @@ def test_design_note_table_p4_m8() -> None:
     got = {n: verify(lower(generate(n, 4, 8, v))).makespan for n, v in
            [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looped_bfs", 2), ("zb_h1", 2)]}
     assert got == {"gpipe": 33.0, "1f1b": 33.0, "interleaved": 28.5, "looped_bfs": 28.5, "zb_h1": 25.5}
+    # ZBV: same makespan as the note's replay of torch's ZBV IR.
+    assert verify(lower(generate("zbv", 4, 8))).makespan == 25.5
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

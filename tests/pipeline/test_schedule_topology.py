@@ -57,6 +57,15 @@ def test_plan_is_independent_of_input_order() -> None:
     assert len(digests) == 1 and len(digests.pop()) == 64
 
 
+def test_digest_same_for_shuffled_rank_dict_order() -> None:
+    low = lower(generate("interleaved", 4, 8))
+    rows = {r: list(a) for r, a in enumerate(low.ranks)}
+    keys = list(rows)
+    random.Random(1).shuffle(keys)
+    again = Schedule.from_lists({k: rows[k] for k in keys}, placement=dict(reversed(list(enumerate(low.placement)))))
+    assert channel_plan(again).digest == channel_plan(low).digest
+
+
 def test_plan_difference_is_described() -> None:
     a = channel_plan(lower(generate("interleaved", 4, 8)))
     b = channel_plan(lower(generate("zbv", 4, 8)))
