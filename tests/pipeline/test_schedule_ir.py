@@ -83,7 +83,8 @@ def test_load_torch_produced_compute_csv(tmp_path) -> None:
         writer = csv.writer(f)
         for row in order:
             writer.writerow(row)
-    assert ("," in path.read_text() and ",," in path.read_text()) or True
+    if any(a is None for row in order for a in row):
+        assert ",," in path.read_text() or ",\n" in path.read_text()  # idle = empty cell
     s = Schedule.from_csv(path)
     assert s.placement == (0, 1, 0, 1) and s.meta.m == 4
     result = verify(lower(s))
