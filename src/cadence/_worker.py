@@ -6,6 +6,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def main(work: Path, rank: int) -> int:
         _write(work / f"result.{rank}", pickle.dumps(result))
     except BaseException as exc:
         info = {
+            # CLOCK_MONOTONIC is machine-wide on Linux: the parent orders failures by it.
+            "when": time.monotonic(),
             "type": type(exc).__name__,
             "message": str(exc),
             "traceback": traceback.format_exc(),

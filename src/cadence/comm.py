@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,15 +83,31 @@ class EventLog:
     was issued before sparse work started and waited after it ended.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int | None = None) -> None:
+        """``capacity``: keep only the newest N events (a long run's memory stays bounded).
+
+        ``total_counts()`` still counts every collective ever recorded.
+        """
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"EventLog capacity must be >= 1 or None, got {capacity}")
         self._lock = threading.Lock()
-        self.events: list[CommEvent] = []
+        self.capacity = capacity
+        self.events: deque[CommEvent] = deque(maxlen=capacity)
+        self._seq = 0
+        self._totals: dict[str, int] = {}
 
     def _add(self, event: CommEvent) -> CommEvent:
         with self._lock:
-            event.seq = len(self.events)
+            event.seq = self._seq
+            self._seq += 1
             self.events.append(event)
+            self._totals[event.kind] = self._totals.get(event.kind, 0) + 1
         return event
+
+    def total_counts(self) -> dict[str, int]:
+        """Counts per kind since creation (or ``clear()``), including evicted events."""
+        with self._lock:
+            return {k: v for k, v in self._totals.items() if k != "mark"}
 
     def record(self, kind: str, group: str, tensor: torch.Tensor | None, **meta: Any) -> CommEvent:
         numel = tensor.numel() if tensor is not None else 0
@@ -115,6 +132,7 @@ class EventLog:
     def clear(self) -> None:
         with self._lock:
             self.events.clear()
+            self._totals.clear()
 
     def collectives(self, kind: str | None = None, group: str | None = None) -> list[CommEvent]:
         with self._lock:

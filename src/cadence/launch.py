@@ -179,8 +179,20 @@ def _failure_of(rank: int, proc: subprocess.Popen[bytes], work: Path) -> RankFai
 
 
 def _failed_at(work: Path, rank: int) -> float:
+    """When the rank failed, on the machine-wide monotonic clock.
+
+    Taken from the error payload (recorded when the exception was caught), not the
+    file's mtime, whose kernel clock is too coarse to order two ranks failing
+    milliseconds apart. A rank that died without a payload (os._exit, a signal, a
+    crash) comes first: ranks whose collectives broke because of it raise normally.
+    """
     err = work / f"error.{rank}"
-    return err.stat().st_mtime if err.exists() else time.time()
+    if err.exists():
+        try:
+            return float(pickle.loads(err.read_bytes()).get("when", time.monotonic()))
+        except Exception:
+            return time.monotonic()
+    return float("-inf")
 
 
 def _supervise(procs: list[subprocess.Popen[bytes]], work: Path, timeout: float) -> None:
@@ -190,19 +202,20 @@ def _supervise(procs: list[subprocess.Popen[bytes]], work: Path, timeout: float)
         failed = []
         for rank, proc in enumerate(procs):
             code = proc.poll()
+            # A rank that wrote its error is failed even while it is still tearing down.
+            if (work / f"error.{rank}").exists() or (code is not None and code != 0):
+                failed.append(rank)
             if code is None:
                 running.append(rank)
-            elif code != 0 or (work / f"error.{rank}").exists():
-                failed.append(rank)
         if failed:
             # The rank that failed first is the cause; ranks whose collectives broke
-            # because of it fail moments later. Error files carry the time.
+            # because of it fail moments later.
             first_rank = min(failed, key=lambda r: _failed_at(work, r))
             first = _failure_of(first_rank, procs[first_rank], work)
             _stop_all(procs)
             others = [
                 _failure_of(r, p, work)
-                if r not in running or (work / f"error.{r}").exists()
+                if (work / f"error.{r}").exists()
                 else RankFailure(r, "stopped by the launcher", p.returncode, None, "", "")
                 for r, p in enumerate(procs)
                 if r != first_rank and p.returncode not in (0, None)

@@ -254,14 +254,24 @@ class Reducer:
         bucket = self.buckets[b]
         w = self.window
         assert w is not None
+        scale = self.wire_divide and self.comm_hook is None and self.comm.world_size > 1
         if not self.bucket_view:
-            grads = [p.grad for p in bucket.params]
-            present = [(v, g) for v, g in zip(bucket.views, grads) if g is not None]
-            if len(present) < len(grads):
+            present = [
+                (v, p.grad) for v, p in zip(bucket.views, bucket.params) if p.grad is not None
+            ]
+            if len(present) < len(bucket.params):
                 bucket.buffer.zero_()
-            if present:
-                # One fused copy per bucket: the per-param hook only counts (hooks are hot).
+            if scale:
+                # One pass per gradient: scale straight into the bucket (copy-then-divide
+                # reads and writes the bucket twice; see docs/bench_dp.md).
+                # A true divide, not a multiply by 1/world: it rounds as torch DDP does.
+                world = self.comm.world_size
+                for v, g in present:
+                    torch.div(g, world, out=v)
+            elif present:
                 torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+        elif scale:
+            bucket.buffer.div_(self.comm.world_size)
         if self.comm_hook is not None:
             state, hook = self.comm_hook
             result = hook(state, GradBucket(bucket, self.comm, is_last=b == len(self.buckets) - 1))
@@ -269,8 +279,6 @@ class Reducer:
                 result = _FutureWork(result, bucket)
             w.works[b] = CommWork(result)
             return
-        if self.wire_divide and self.comm.world_size > 1:
-            bucket.buffer.div_(self.comm.world_size)
         w.works[b] = self.comm.all_reduce(bucket.buffer, async_op=True)
 
     def _launch_used_map(self) -> None:
@@ -367,16 +375,19 @@ class Reducer:
         globally_unused: set[int] = set()
         if w.used_map is not None:
             globally_unused = {i for i, n in enumerate(w.used_map.tolist()) if n == 0}
-        for bucket in self.buckets:
-            for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
-                if i in globally_unused:
-                    continue  # as torch DDP: a param no rank used keeps its .grad
-                if self.bucket_view:
-                    continue  # .grad is the view; the all-reduce ran in place
-                if p.grad is None:
-                    p.grad = view.to(p.dtype).clone()
-                else:
-                    p.grad.copy_(view)
+        if not self.bucket_view:  # with bucket views .grad is the view: nothing to copy
+            for bucket in self.buckets:
+                dst, src = [], []
+                for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
+                    if i in globally_unused:
+                        continue  # as torch DDP: a param no rank used keeps its .grad
+                    if p.grad is None:
+                        p.grad = view.to(p.dtype).clone()
+                    else:
+                        dst.append(p.grad)
+                        src.append(view)
+                if dst:
+                    torch._foreach_copy_(dst, src)  # one fused write-back per bucket
         self.window = None
         self.accumulating = False
         if missing:

@@ -91,8 +91,8 @@ class DataParallel(nn.Module):
             backward are fixed; learned on the first synced step (no overlap on
             that step). Allows reentrant checkpointing and reused modules.
         broadcast_buffers: broadcast buffers from rank 0 at every forward.
-        event_log: record collectives here (a fresh log is used otherwise; see
-            ``dp.event_log``).
+        event_log: record collectives here (otherwise a log bounded to the newest
+            4096 events is kept as ``dp.event_log``).
     """
 
     def __init__(
@@ -137,7 +137,9 @@ class DataParallel(nn.Module):
         self.module = module
         if isinstance(group, ParallelGroups):
             group = group.dp
-        self.event_log = event_log if event_log is not None else EventLog()
+        # Without a caller's log, keep a bounded one: stats() and debugging need recent
+        # events, but a million-step run must not grow memory without bound.
+        self.event_log = event_log if event_log is not None else EventLog(capacity=4096)
         self._comm = Comm(group, event_log=self.event_log, name="dp")
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
