@@ -231,6 +231,11 @@ def _summary(cfg: TrainConfig, result: dict[str, Any], world: int) -> dict[str, 
     }
 
 
+def _ms(value: float) -> str:
+    # The pipeline runtime does not split its P2P time into exposed and hidden.
+    return "n/a" if value != value else f"{value:.1f} ms"
+
+
 def _print_table(summary: dict[str, Any], run_dir: Path) -> None:
     rows = [
         ("mode", summary["mode"]),
@@ -241,8 +246,8 @@ def _print_table(summary: dict[str, Any], run_dir: Path) -> None:
         ("last loss", f"{summary['last_loss']:.4f}"),
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
         ("median step", f"{summary['step_time_median_ms']:.1f} ms"),
-        ("comm exposed (total)", f"{summary['comm_exposed_ms_total']:.1f} ms"),
-        ("comm hidden (total)", f"{summary['comm_hidden_ms_total']:.1f} ms"),
+        ("comm exposed (total)", _ms(summary["comm_exposed_ms_total"])),
+        ("comm hidden (total)", _ms(summary["comm_hidden_ms_total"])),
         ("run folder", str(run_dir)),
     ]
     width = max(len(k) for k, _ in rows)

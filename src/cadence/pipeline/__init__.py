@@ -2,10 +2,13 @@
 
 The schedule layer (no process group needed): `ir` (Action, Schedule), `generators`,
 `passes` (validation, lowering), `topology` (channels, plan, digest), `sim`
-(simulator, `verify`), `viz` and `cli`. The runtime (stage, executor, groups) lives
-in ``runtime.py``/``stage.py``/``groups.py`` and is imported from there.
+(simulator, `verify`), `viz` and `cli`. The runtime: `stage` (PipelineStage), `runtime`
+(executor), `groups` (channels -> process groups), `dp` (deferred reduction waits),
+and `build_pipeline`, the one-call entry point.
 """
 
+from cadence.pipeline._build import SCHEDULE_NAMES, build_pipeline, placement_for
+from cadence.pipeline.dp import StageGradSync
 from cadence.pipeline.generators import (
     GENERATORS,
     dualpipev,
@@ -19,6 +22,7 @@ from cadence.pipeline.generators import (
     zb_h1,
     zbv,
 )
+from cadence.pipeline.groups import ChannelGroups, PlanMismatchError, build_channel_groups
 from cadence.pipeline.ir import (
     IR_VERSION,
     Action,
@@ -29,6 +33,7 @@ from cadence.pipeline.ir import (
     ScheduleValidationError,
     parse_action,
 )
+from cadence.pipeline.microbatch import LossPolicy, merge_microbatches, split_microbatches
 from cadence.pipeline.passes import (
     add_comms,
     add_reduce_grad,
@@ -38,6 +43,7 @@ from cadence.pipeline.passes import (
     validate_compute,
     validate_lowered,
 )
+from cadence.pipeline.runtime import PipelineRuntime, PipelineRuntimeError
 from cadence.pipeline.sim import (
     FifoMismatchError,
     ScheduleDeadlockError,
@@ -47,6 +53,7 @@ from cadence.pipeline.sim import (
     simulate,
     verify,
 )
+from cadence.pipeline.stage import PipelineStage, StageShapeError, TensorMeta
 from cadence.pipeline.topology import (
     ChannelPlan,
     channel_plan,
@@ -58,21 +65,33 @@ from cadence.pipeline.topology import (
 __all__ = [
     "GENERATORS",
     "IR_VERSION",
+    "SCHEDULE_NAMES",
     "Action",
     "ActionKind",
+    "ChannelGroups",
     "ChannelPlan",
     "FifoMismatchError",
+    "LossPolicy",
     "Payload",
+    "PipelineRuntime",
+    "PipelineRuntimeError",
+    "PipelineStage",
+    "PlanMismatchError",
     "Schedule",
     "ScheduleDeadlockError",
     "ScheduleMeta",
     "ScheduleValidationError",
     "SimResult",
+    "StageGradSync",
+    "StageShapeError",
+    "TensorMeta",
     "TimeModel",
     "add_comms",
     "add_reduce_grad",
     "add_wait_reduce",
     "apply_parity_rule",
+    "build_channel_groups",
+    "build_pipeline",
     "channel_plan",
     "chrome_trace",
     "derive_channels",
@@ -84,10 +103,13 @@ __all__ = [
     "loop_placement",
     "looped_bfs",
     "lower",
+    "merge_microbatches",
     "one_f_one_b",
     "parse_action",
+    "placement_for",
     "plan_rounds",
     "simulate",
+    "split_microbatches",
     "v_placement",
     "validate_compute",
     "validate_lowered",
