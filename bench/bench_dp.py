@@ -85,29 +85,6 @@ def _calibrate_task(numel: int) -> tuple[int, float]:
     return int(iters[0]), float(iters[1])
 
 
-def _fuse_copy_and_divide(dp: Any) -> None:
-    """Experiment for a proposed reducer change (``--try-fused-launch``); not cadence code.
-
-    The reducer's bucket launch copies the grads into the bucket
-    (``_foreach_copy_``) and then divides the whole bucket by the world size: two
-    passes over the bucket on the compute thread. torch DDP does both in one
-    (``at::mul_out(bucket_view, grad, 1/world)``). This swaps in a one-pass launch
-    for the plain case this benchmark uses (no comm hook, no bucket views, every
-    grad present), to measure what the change would buy.
-    """
-    reducer = dp._reducer
-    assert reducer.comm_hook is None and not reducer.bucket_view
-
-    def launch(b: int) -> None:
-        bucket = reducer.buckets[b]
-        scale = 1.0 / reducer.comm.world_size
-        for view, p in zip(bucket.views, bucket.params):
-            torch.mul(p.grad, scale, out=view)
-        reducer.window.works[b] = reducer.comm.all_reduce(bucket.buffer, async_op=True)
-
-    reducer._launch = launch
-
-
 def rank_body(
     layers: int,
     width: int,
@@ -116,7 +93,6 @@ def rank_body(
     warmup: int,
     reps: int,
     profile: bool,
-    fused: bool,
 ) -> dict[str, Any]:
     import cadence
 
@@ -126,9 +102,6 @@ def rank_body(
     dp = cadence.DataParallel(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
     ddp = DDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
     models: dict[str, nn.Module] = {"plain": plain, "cadence": dp, "torch": ddp}
-    if fused:
-        models["fused"] = cadence.DataParallel(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb)
-        _fuse_copy_and_divide(models["fused"])
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, width, generator=g)
@@ -180,8 +153,7 @@ def rank_body(
             for name in names[k:] + names[:k]:
                 if name == "manual":
                     dp.require_manual_backward_finalization = True
-                log = models["fused"].event_log if name == "fused" else dp.event_log
-                result = timed(lambda n=name: run(n), log)
+                result = timed(lambda n=name: run(n), dp.event_log)
                 dp.require_manual_backward_finalization = False
                 if rep >= warmup:
                     out[name].append(result)
@@ -254,11 +226,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument(
-        "--try-fused-launch",
-        action="store_true",
-        help="add a cadence variant with a one-pass copy+divide bucket launch (an experiment)",
-    )
     args = parser.parse_args()
 
     import bench_dp  # by reference, so the ranks import it instead of unpickling __main__
@@ -274,7 +241,6 @@ def main() -> None:
         args.warmup,
         args.reps,
         args.profile,
-        args.try_fused_launch,
         nprocs=2,
         backend="gloo",
         num_threads=1,
@@ -296,7 +262,6 @@ def main() -> None:
     )
     print()
     label = {"plain": "compute only", "cadence": "cadence", "torch": "torch DDP"}
-    label["fused"] = "cadence, fused launch (experiment)"
     print(
         "| variant | step / compute-only (median) | exposed comm / compute | "
         "blocked in wait() / compute | cores busy |"
@@ -316,11 +281,6 @@ def main() -> None:
     print(
         f"step-time ratio cadence / torch, min / median / max: {_ratios(step['cadence'], step['torch'])}"
     )
-    if "fused" in step:
-        print(
-            "step-time ratio cadence fused launch / torch, min / median / max: "
-            f"{_ratios(step['fused'], step['torch'])}"
-        )
     print()
     task = {n: _per_step_max(results, "task", n) for n in ("auto", "manual", "torch")}
     auto = statistics.median(task["auto"])
