@@ -22,6 +22,7 @@ from torch import nn
 
 from cadence.comm import EventLog
 from cadence.pipeline._ops import from_torch_actions
+from cadence.pipeline.generators import canonical_name
 from cadence.pipeline.groups import ChannelMode
 from cadence.pipeline.runtime import PipelineRuntime
 from cadence.pipeline.stage import PipelineStage, TensorMeta
@@ -40,25 +41,7 @@ _TORCH_NAMES = {
     "dualpipev": "DualPipeV",
 }
 SCHEDULE_NAMES = tuple(_TORCH_NAMES)
-_ALIASES = {
-    "interleaved1f1b": "interleaved",
-    "interleaved_1f1b": "interleaved",
-    "loopedbfs": "looped_bfs",
-    "zbh1": "zb_h1",
-    "zb1p": "zb_h1",
-    "interleaved_zb": "zb_h1",
-    "zb_v": "zbv",
-    "dualpipe_v": "dualpipev",
-}
 _V_SHAPED = {"zbv", "dualpipev"}
-
-
-def canonical_name(name: str) -> str:
-    key = name.lower().replace("-", "_")
-    key = _ALIASES.get(key, key)
-    if key not in _TORCH_NAMES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
-    return key
 
 
 def torch_schedule_name(name: str) -> str:

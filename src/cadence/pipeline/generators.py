@@ -23,6 +23,7 @@ from cadence.pipeline.ir import Action, ActionKind, Schedule, ScheduleMeta
 
 __all__ = [
     "GENERATORS",
+    "canonical_name",
     "dualpipev",
     "generate",
     "gpipe",
@@ -348,10 +349,16 @@ _DEFAULT_V = {
 }
 
 
-def generate(name: str, p: int, m: int, v: int | None = None) -> Schedule:
-    """A named generator's compute-only schedule (``v`` defaults per schedule)."""
+def canonical_name(name: str) -> str:
+    """The generator key for a schedule name or alias (``Interleaved1F1B`` -> ``interleaved``)."""
     key = name.lower().replace("-", "_")
     key = _ALIASES.get(key, key)
     if key not in GENERATORS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(GENERATORS)}")
+    return key
+
+
+def generate(name: str, p: int, m: int, v: int | None = None) -> Schedule:
+    """A named generator's compute-only schedule (``v`` defaults per schedule)."""
+    key = canonical_name(name)
     return GENERATORS[key](p, m, _DEFAULT_V[key] if v is None else v)
