@@ -9,14 +9,10 @@ from test_parity_schedules import SOURCE
 
 import cadence
 from cadence import EventLog
+from cadence.fsdp import fully_shard
 from cadence.models import GPTConfig, MarkovTokens, TinyGPT
 from cadence.pipeline._build import build_pipeline, placement_for
 from cadence.testing import max_abs_diff, run_distributed
-
-try:
-    from cadence.fsdp import fully_shard
-except ImportError:  # pragma: no cover - the wrapper lands separately
-    fully_shard = None
 
 
 def _model(n: int) -> TinyGPT:
@@ -24,7 +20,7 @@ def _model(n: int) -> TinyGPT:
     return TinyGPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=2, n_layers=n))
 
 
-def body_pp_dp(name: str, v: int, m: int):
+def body_pp_dp(name: str, v: int, m: int, wrapper: str = "fully_shard"):
     pg = cadence.init(cadence.Topology(dp_shard=2, pp=2))
     n = 2 * v
     placement = placement_for(name, 2, v)
@@ -33,7 +29,12 @@ def body_pp_dp(name: str, v: int, m: int):
     log = EventLog()
     chunks = _model(n).split_stages(n)
     for s in mine:
-        fully_shard(chunks[s], group=pg.dp_shard, event_log=log)
+        if wrapper == "fully_shard":
+            fully_shard(chunks[s], group=pg.dp_shard, event_log=log)
+        else:
+            # The same runtime drives DataParallel through the same public verbs.
+            chunks[s] = cadence.DataParallel(chunks[s], group=pg.dp, event_log=log)
+    reduce_kind = "reduce_scatter" if wrapper == "fully_shard" else "all_reduce"
     rt = build_pipeline(
         name,
         chunks,
@@ -52,11 +53,12 @@ def body_pp_dp(name: str, v: int, m: int):
     log.clear()
     # an accumulation step (no reduction), then a syncing step: reduced once, scaled once
     rt.step(xa[mine_rows], target=ya[mine_rows], sync_gradients=False)
-    n_rs_after_first = log.count("reduce_scatter")
+    n_rs_after_first = log.count(reduce_kind)
     rt.step(xb[mine_rows], target=yb[mine_rows])
     got = {}
     for s in mine:
-        for k, p in chunks[s].named_parameters():
+        inner = chunks[s].module if wrapper == "data_parallel" else chunks[s]
+        for k, p in inner.named_parameters():
             g = p.grad
             got[f"{s}.{k}"] = g.full_tensor() if hasattr(g, "full_tensor") else g
     ref = _model(n)
@@ -67,9 +69,9 @@ def body_pp_dp(name: str, v: int, m: int):
     order = [
         (e.kind if e.kind != "mark" else e.group, e.meta.get("stage"))
         for e in log.events
-        if e.kind in ("reduce_scatter", "mark") and e.group != "pp_local"
+        if e.kind in (reduce_kind, "mark") and e.group != "pp_local"
     ]
-    rs = log.collectives("reduce_scatter")
+    rs = log.collectives(reduce_kind)
     return {
         "grad_diff": max_abs_diff(got, want),
         "n_grads": len(got),
@@ -84,9 +86,9 @@ def body_pp_dp(name: str, v: int, m: int):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(fully_shard is None, reason="cadence.fsdp is not importable yet")
-def test_pp2_dp2_fully_shard_parity_and_deferred_wait():
-    results = run_distributed(body_pp_dp, "interleaved", 2, 4, world_size=4, timeout=120)
+@pytest.mark.parametrize("wrapper", ["fully_shard", "data_parallel"])
+def test_pp2_dp2_parity_and_deferred_wait(wrapper: str):
+    results = run_distributed(body_pp_dp, "interleaved", 2, 4, wrapper, world_size=4, timeout=120)
     for rank, r in enumerate(results):
         assert r["n_grads"] > 0
         assert r["grad_diff"] <= 1e-6, (rank, r["grad_diff"])
