@@ -17,8 +17,9 @@ from cadence.train import TrainConfig
         ["--finalize", "auto"],
         ["--finalize", "manual"],
         ["--fsdp", "--mixed-precision", "bf16"],
+        ["--pp", "2", "--schedule", "interleaved"],
     ],
-    ids=["dp-auto", "dp-manual", "fsdp-bf16"],
+    ids=["dp-auto", "dp-manual", "fsdp-bf16", "pp2-interleaved"],
 )
 def test_train_loss_falls(tmp_path: Path, flags: list[str]) -> None:
     run = tmp_path / "run"

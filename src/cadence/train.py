@@ -15,11 +15,13 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from cadence.models import GPTConfig
 
 __all__ = ["TrainConfig", "add_train_subcommand", "run_rank", "train"]
 
@@ -40,11 +42,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     microbatches: int = 0
     chunks: int = 0
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    seq_len: int = 32
-    vocab_size: int = 64
+    model: GPTConfig = field(default_factory=GPTConfig)
     # Small buckets so the tiny model gets several, and its all-reduces overlap backward.
     bucket_cap_mb: float = 0.25
     run_dir: str = ""
@@ -88,16 +86,10 @@ def _bar(step: int, total: int, loss: float, started: float) -> None:
 
 def _data_parallel_run(cfg: TrainConfig, pg: Any, rank: int) -> dict[str, Any]:
     import cadence
-    from cadence.models import GPTConfig, MarkovTokens, TinyGPT
+    from cadence.models import MarkovTokens, TinyGPT
 
     world = pg.world_size
-    gcfg = GPTConfig(
-        vocab_size=cfg.vocab_size,
-        seq_len=cfg.seq_len,
-        d_model=cfg.d_model,
-        n_heads=cfg.n_heads,
-        n_layers=cfg.n_layers,
-    )
+    gcfg = cfg.model
     torch.manual_seed(cfg.seed)
     model = TinyGPT(gcfg)
     log = cadence.EventLog()
@@ -117,7 +109,7 @@ def _data_parallel_run(cfg: TrainConfig, pg: Any, rank: int) -> dict[str, Any]:
     manual = cfg.finalize == "manual"
     wrapped.set_manual_backward_finalization(manual)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)
-    data = MarkovTokens(cfg.vocab_size, cfg.seq_len, seed=cfg.seed)
+    data = MarkovTokens(gcfg.vocab_size, gcfg.seq_len, seed=cfg.seed)
     share = cfg.batch_size // world
     loss_comm = cadence.Comm(pg.world, name="loss")
     losses: list[float] = []
@@ -194,11 +186,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
             batch_size=cfg.batch_size,
             lr=cfg.lr,
             seed=cfg.seed,
-            d_model=cfg.d_model,
-            n_layers=cfg.n_layers,
-            n_heads=cfg.n_heads,
-            seq_len=cfg.seq_len,
-            vocab_size=cfg.vocab_size,
+            model=cfg.model,
         )
         extra = run_pipeline_training(pcfg, pg, log_step)
         return {
@@ -214,7 +202,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
 
 def _summary(cfg: TrainConfig, result: dict[str, Any], world: int) -> dict[str, Any]:
     losses = result["losses"]
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.batch_size * cfg.model.seq_len
     step_s = result["step_time_median_s"]
     mode = "pipeline" if cfg.pp > 1 else ("fully_shard" if cfg.fsdp else "DataParallel")
     return {
@@ -304,8 +292,8 @@ def add_train_subcommand(subparsers: Any) -> None:
     p.add_argument(
         "--chunks", type=int, default=d.chunks, help="stages per rank; 0 = schedule default"
     )
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--layers", type=int, default=d.n_layers)
+    p.add_argument("--d-model", type=int, default=d.model.d_model)
+    p.add_argument("--layers", type=int, default=d.model.n_layers)
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     p.add_argument("--run-dir", default="", help="default runs/<timestamp>")
     p.set_defaults(func=_train_main)
@@ -325,8 +313,7 @@ def _train_main(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         microbatches=args.microbatches,
         chunks=args.chunks,
-        d_model=args.d_model,
-        n_layers=args.layers,
+        model=GPTConfig(d_model=args.d_model, n_layers=args.layers),
         bucket_cap_mb=args.bucket_cap_mb,
         run_dir=args.run_dir,
     )

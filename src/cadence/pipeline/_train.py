@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,7 +37,7 @@ class PipelineTrainConfig:
         batch_size: global batch per step (split over dp replicas, then microbatches).
         lr: AdamW learning rate.
         seed: model init and data seed.
-        d_model, n_layers, n_heads, seq_len, vocab_size: the TinyGPT shape.
+        model: the TinyGPT shape (``n_layers`` is raised to one block per stage if needed).
     """
 
     schedule: str = "1f1b"
@@ -47,11 +47,7 @@ class PipelineTrainConfig:
     batch_size: int = 32
     lr: float = 3e-3
     seed: int = 0
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    seq_len: int = 32
-    vocab_size: int = 64
+    model: GPTConfig = field(default_factory=GPTConfig)
 
 
 _TWO_CHUNK = {"interleaved", "interleaved1f1b", "looped_bfs", "loopedbfs", "zbv", "dualpipev"}
@@ -91,13 +87,7 @@ def run_pipeline_training(
             f"batch_size={cfg.batch_size} must be a multiple of dp ({dp}) x "
             f"n_microbatches ({m}) = {dp * m}"
         )
-    gcfg = GPTConfig(
-        vocab_size=cfg.vocab_size,
-        seq_len=cfg.seq_len,
-        d_model=cfg.d_model,
-        n_heads=cfg.n_heads,
-        n_layers=max(cfg.n_layers, pp * v),
-    )
+    gcfg = replace(cfg.model, n_layers=max(cfg.model.n_layers, pp * v))
     torch.manual_seed(cfg.seed)
     model = TinyGPT(gcfg)  # same init on every rank; each keeps only its stages
     chunks = model.split_stages(pp * v)
@@ -121,7 +111,7 @@ def run_pipeline_training(
     )
     params = [p for st in runtime.stages.values() for p in st.module.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
-    data = MarkovTokens(cfg.vocab_size, cfg.seq_len, seed=cfg.seed)
+    data = MarkovTokens(gcfg.vocab_size, gcfg.seq_len, seed=cfg.seed)
     pp_comm = Comm(pg.pp, name="pp-loss")
     dp_comm = Comm(pg.dp, name="dp-loss") if dp > 1 else None
     last_owner = runtime.placement[runtime.num_stages - 1]
