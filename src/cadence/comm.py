@@ -164,12 +164,22 @@ class EventLog:
         """(kind, numel, dtype) per collective, in issue order: compare it across ranks."""
         return [(e.kind, e.numel, e.dtype) for e in self.collectives()]
 
-    def wait_time(self, kind: str | None = None) -> float:
-        """Seconds spent blocked inside ``wait()`` (exposed communication on CPU)."""
+    def _of_kinds(self, kinds: tuple[str, ...]) -> list[CommEvent]:
+        events = self.collectives()
+        return [e for e in events if not kinds or e.kind in kinds]
+
+    def wait_time(self, *kinds: str) -> float:
+        """Seconds blocked inside ``wait()`` (exposed communication), for ``kinds`` or all."""
         return sum(
             (e.wait_end_t - e.wait_start_t)
-            for e in self.collectives(kind)
+            for e in self._of_kinds(kinds)
             if e.wait_end_t is not None and e.wait_start_t is not None
+        )
+
+    def in_flight_time(self, *kinds: str) -> float:
+        """Seconds between issue and the start of ``wait()``: communication the caller overlapped."""
+        return sum(
+            e.wait_start_t - e.issue_t for e in self._of_kinds(kinds) if e.wait_start_t is not None
         )
 
 

@@ -122,33 +122,27 @@ def _data_parallel_run(cfg: TrainConfig, pg: Any, rank: int) -> dict[str, Any]:
         logits = wrapped(x)
         loss = TinyGPT.loss(logits.float(), y)
         loss.backward()
+        metric = loss.detach().reshape(1)
         if manual:
-            # The caller owns the timing: the reductions are in flight while we do
-            # gradient-free work (here the step's metric), then we wait.
+            # The caller owns the timing: the gradient reductions stay in flight while
+            # the loss is averaged for logging, and are waited only before the step.
             handle = wrapped.finalize_backward(async_op=True)
-            with torch.no_grad():
-                metric = loss.detach().reshape(1)
+            loss_comm.all_reduce(metric, op="avg")
             if handle is not None:
                 handle.wait()
-        else:
-            metric = loss.detach().reshape(1)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        loss_comm.all_reduce(metric, op="avg")
+        if not manual:
+            loss_comm.all_reduce(metric, op="avg")
         losses.append(float(metric))
         if rank == 0:
             _bar(step, cfg.steps, losses[-1], started)
-    reductions = [e for e in log.collectives() if e.kind in ("all_reduce", "reduce_scatter")]
-    exposed = sum(
-        e.wait_end_t - e.wait_start_t for e in reductions if e.wait_end_t and e.wait_start_t
-    )
-    hidden = sum(e.wait_start_t - e.issue_t for e in reductions if e.wait_start_t)
     return {
         "losses": losses,
         "step_time_median_s": statistics.median(times),
-        "comm_exposed_s": exposed,
-        "comm_hidden_s": hidden,
+        "comm_exposed_s": log.wait_time("all_reduce", "reduce_scatter"),
+        "comm_hidden_s": log.in_flight_time("all_reduce", "reduce_scatter"),
         "collectives": log.counts(),
     }
 

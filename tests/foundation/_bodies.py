@@ -101,6 +101,11 @@ def collectives(world: int) -> dict[str, Any]:
     ev = log.collectives("all_reduce")[2]
     mark = log.marks("between")[0]
     res["order"] = ev.issue_t <= mark.issue_t <= ev.wait_start_t <= ev.wait_end_t
+    # The async all-reduce was in flight at least from its issue to the mark.
+    res["in_flight_covers_mark"] = log.in_flight_time("all_reduce") >= mark.issue_t - ev.issue_t
+    res["wait_split"] = abs(
+        log.wait_time() - log.wait_time("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    )
     res["bytes"] = ev.nbytes
     # p2p between ranks 0 and 1
     if world >= 2 and rank < 2:

@@ -42,6 +42,8 @@ def test_event_log_counts_order_and_bytes(world3: list[dict]) -> None:
     assert r["counts"]["all_gather"] == 1 and r["counts"]["reduce_scatter"] == 1
     assert r["counts"]["broadcast"] == 1
     assert r["order"]  # issue <= mark <= wait start <= wait end
+    assert r["in_flight_covers_mark"]
+    assert r["wait_split"] == 0.0  # per-kind wait times add up to the total
     assert r["bytes"] == 8 * 4
 
 

@@ -319,16 +319,13 @@ class DataParallel(nn.Module):
 
     def stats(self) -> dict[str, float]:
         """Collective counts, bytes, and communication time hidden vs exposed (seconds)."""
-        events = self.event_log.collectives("all_reduce")
-        exposed = sum(
-            e.wait_end_t - e.wait_start_t for e in events if e.wait_end_t and e.wait_start_t
-        )
-        in_flight = sum(e.wait_start_t - e.issue_t for e in events if e.wait_start_t)
+        log = self.event_log
+        events = log.collectives("all_reduce")
         return {
             "all_reduces": float(len(events)),
             "bytes": float(sum(e.nbytes for e in events)),
-            "exposed_s": exposed,
-            "overlapped_s": in_flight,
+            "exposed_s": log.wait_time("all_reduce"),
+            "overlapped_s": log.in_flight_time("all_reduce"),
         }
 
     # -- forward ----------------------------------------------------------------
