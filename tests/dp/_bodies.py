@@ -120,7 +120,9 @@ def counts() -> dict[str, Any]:
         make_mlp(), bucket_cap_mb=0.001, first_bucket_cap_mb=None, event_log=log
     )
     n = dp.num_buckets
-    res: dict[str, Any] = {"buckets": n}
+    from cadence._timing import GradientTiming
+
+    res: dict[str, Any] = {"buckets": n, "is_gradient_timing": isinstance(dp, GradientTiming)}
     x, y = global_batch(0, world)
     xl, yl = local(x, rank, world), local(y, rank, world)
 

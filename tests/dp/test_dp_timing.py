@@ -15,6 +15,11 @@ def counts() -> list[dict[str, Any]]:
     return run_distributed(B.counts, world_size=2)
 
 
+def test_implements_the_shared_timing_verbs(counts: list[dict[str, Any]]) -> None:
+    # The same protocol fully_shard implements; pipeline code relies on nothing else.
+    assert counts[0]["is_gradient_timing"]
+
+
 def test_synced_step_issues_one_all_reduce_per_bucket(counts: list[dict[str, Any]]) -> None:
     r = counts[0]
     assert r["buckets"] == 5

@@ -142,10 +142,6 @@ class Reducer:
         w = self.window
         return (w is not None and w.sync) or (self.handle is not None and not self.handle.done)
 
-    def launched_buckets(self) -> int:
-        w = self.window
-        return w.next_bucket if w is not None and w.sync else 0
-
     # -- errors raised before any collective ----------------------------------
 
     def check_can_start(self, what: str) -> None:
