@@ -13,12 +13,14 @@ all-gather / reduce-scatter traffic is heaviest.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Coords", "ParallelGroups", "Topology"]
 
@@ -85,6 +87,33 @@ class Topology:
     def rank_of(self, coords: Coords) -> int:
         pp, rep, shard = coords
         return (pp * self.dp_replicate + rep) * self.dp_shard + shard
+
+    def dp_rank_of(self, rank: int) -> int:
+        """Index of ``rank`` in its flattened data-parallel group (replicate-major)."""
+        c = self.coords(rank)
+        return c.dp_replicate * self.dp_shard + c.dp_shard
+
+    def dp_ranks_of(self, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s data-parallel group, indexed by dp rank."""
+        base = self.coords(rank).pp * self.dp_size
+        return list(range(base, base + self.dp_size))
+
+    def pp_ranks_of(self, rank: int) -> list[int]:
+        """Global ranks of ``rank``'s pipeline group, indexed by pipeline position."""
+        c = self.coords(rank)
+        return [self.rank_of(Coords(i, c.dp_replicate, c.dp_shard)) for i in range(self.pp)]
+
+    def local_slice(self, rank: int, global_batch: int) -> slice:
+        """Rows of a global batch of ``global_batch`` that ``rank``'s replica trains on."""
+        if global_batch % self.dp_size:
+            raise ValueError(
+                f"a global batch of {global_batch} rows does not split over dp_size="
+                f"{self.dp_size} replicas (dp_replicate={self.dp_replicate} x "
+                f"dp_shard={self.dp_shard}); use a batch size divisible by {self.dp_size}"
+            )
+        share = global_batch // self.dp_size
+        start = self.dp_rank_of(rank) * share
+        return slice(start, start + share)
 
     def groups_of(self, dim: str) -> list[list[int]]:
         """All rank lists along ``dim`` ("pp", "dp_replicate", "dp_shard" or "dp"), canonical order.
@@ -178,10 +207,62 @@ class ParallelGroups:
     def coords(self) -> Coords:
         return self.topology.coords(self.rank)
 
+    # -- rank layout: every wrapper, the pipeline and the trainer ask these ----------
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline position (0 holds the first stage)."""
+        return self.coords.pp
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp
+
     @property
     def pp_ranks(self) -> list[int]:
         """Global ranks of this rank's pipeline group, indexed by pipeline position."""
-        for ranks in self.topology.groups_of("pp"):
-            if self.rank in ranks:
-                return ranks
-        raise AssertionError("rank not in any pp group")  # invariant of groups_of
+        return self.topology.pp_ranks_of(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in the flattened data-parallel group (replicate-major)."""
+        return self.topology.dp_rank_of(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp_size
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        """Global ranks of this rank's data-parallel group, indexed by ``dp_rank``."""
+        return self.topology.dp_ranks_of(self.rank)
+
+    def local_slice(self, global_batch: int) -> slice:
+        """The rows of a global batch this rank's data-parallel replica trains on.
+
+        Every pipeline group sees the same global batch; replica ``dp_rank`` takes the
+        ``dp_rank``-th of ``dp_size`` equal slices, so a run is the same whatever the
+        layout. Raises ``ValueError`` when the batch does not split evenly.
+        """
+        return self.topology.local_slice(self.rank, global_batch)
+
+    @functools.cached_property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel `DeviceMesh` of this rank, built once over existing groups.
+
+        1-D ``("dp_shard",)`` without replication, else 2-D
+        ``("dp_replicate", "dp_shard")`` (HSDP). Creating it issues no collective: it
+        wraps ``dp_replicate`` and ``dp_shard``, which `Topology.build` already made.
+        """
+        topo = self.topology
+        if topo.dp_replicate == 1:
+            return DeviceMesh.from_group(
+                self.dp_shard, self.device.type, mesh_dim_names=("dp_shard",)
+            )
+        ranks = torch.tensor(self.dp_ranks).view(topo.dp_replicate, topo.dp_shard)
+        return DeviceMesh.from_group(
+            [self.dp_replicate, self.dp_shard],
+            self.device.type,
+            mesh=ranks,
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )

@@ -83,3 +83,18 @@ def test_topology_groups_at_world4() -> None:
     assert results[0]["dp_replicate"] == (2, 2.0)  # ranks 0 + 2
     assert results[3]["dp_replicate"] == (2, 4.0)  # ranks 1 + 3
     assert results[0]["pp"] == (1, 0.0)
+
+
+def test_rank_layout_is_owned_by_topology() -> None:
+    # pp=2 x dp_replicate=2 x dp_shard=2: pipeline outermost, shard innermost.
+    topo = cadence.Topology(dp_replicate=2, dp_shard=2, pp=2)
+    assert [topo.dp_rank_of(r) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert topo.dp_ranks_of(5) == [4, 5, 6, 7]
+    assert topo.pp_ranks_of(5) == [1, 5]
+    assert topo.pp_ranks_of(2) == [2, 6]
+    # Replica r of a global batch of 8 takes rows [2r, 2r + 2), whatever its pp stage.
+    assert [topo.local_slice(r, 8) for r in (0, 3, 4, 7)] == [
+        slice(0, 2), slice(6, 8), slice(0, 2), slice(6, 8)
+    ]
+    with pytest.raises(ValueError, match="does not split over dp_size=4"):
+        topo.local_slice(0, 6)

@@ -241,27 +241,16 @@ def _resolve_group(
             "fully_shard needs an initialised process group; call cadence.init() first."
         )
     if isinstance(group, ParallelGroups):
-        device = group.device
-        topo = group.topology
-        shard = group.dp_shard
-        if topo.dp_replicate > 1:
-            coords = group.coords
-            base = coords.pp * topo.dp_replicate * topo.dp_shard
-            layout = (
-                torch.arange(topo.dp_replicate * topo.dp_shard).view(
-                    topo.dp_replicate, topo.dp_shard
-                )
-                + base
+        # The rank layout (which ranks form the dp mesh) is ParallelGroups' to own.
+        if group.topology.dp_replicate > 1:
+            return (
+                group.dp_shard,
+                group.dp_replicate,
+                group.dp_mesh,
+                (Replicate(), Shard(0)),
+                group.device,
             )
-            mesh = DeviceMesh.from_group(
-                [group.dp_replicate, shard],
-                device.type,
-                mesh=layout,
-                mesh_dim_names=("dp_replicate", "dp_shard"),
-            )
-            return shard, group.dp_replicate, mesh, (Replicate(), Shard(0)), device
-        mesh = DeviceMesh.from_group(shard, device.type, mesh_dim_names=("dp_shard",))
-        return shard, None, mesh, (Shard(0),), device
+        return group.dp_shard, None, group.dp_mesh, (Shard(0),), group.device
     pg = group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
     device = torch.device("cpu")
     if dist.get_backend(pg) == "nccl":

@@ -99,7 +99,7 @@ def run_pipeline_training(
 
         placement = placement_for(cfg.schedule, pp, v)
         for s, r in placement.items():
-            if r == pg.coords.pp:
+            if r == pg.pp_rank:
                 fully_shard(chunks[s], group=pg)
     runtime = build_pipeline(
         cfg.schedule,
@@ -115,16 +115,12 @@ def run_pipeline_training(
     pp_comm = Comm(pg.pp, name="pp-loss")
     dp_comm = Comm(pg.dp, name="dp-loss") if dp > 1 else None
     last_owner = runtime.placement[runtime.num_stages - 1]
-    dp_index = pg.coords.dp_replicate * pg.topology.dp_shard + pg.coords.dp_shard
+    rows = pg.local_slice(cfg.batch_size)
     first = final = float("nan")
     times = []
     for step in range(cfg.steps):
         x, y = data.batch(step, cfg.batch_size)
-        share = cfg.batch_size // dp
-        x, y = (
-            x[dp_index * share : (dp_index + 1) * share],
-            y[dp_index * share : (dp_index + 1) * share],
-        )
+        x, y = x[rows], y[rows]
         t0 = time.perf_counter()
         losses: list[torch.Tensor] = []
         runtime.step(x, target=y, losses=losses)
