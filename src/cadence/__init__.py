@@ -2,20 +2,61 @@
 
 Gradient reductions run in the background and finish exactly when and where the
 caller says. See the README for the feature table and the overlap patterns.
+
+Names are imported on first use, so ``import cadence`` is cheap and works without
+torch for the parts that do not need it (``cadence.pickling``,
+``cadence.pipeline.schedule``).
 """
 
-from cadence import pickling, pipeline, testing
-from cadence._dist_init import init
-from cadence.comm import Comm, CommEvent, CommWork, EventLog, ReductionHandle
-from cadence.data_parallel import DataParallel, WindowState
-from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cadence._lazy import lazy_getattr
+from cadence.errors import CadenceError
+
+# Eager, and torch-free: the submodule ``cadence.launch`` would otherwise shadow the
+# function of the same name once anything imports the module.
 from cadence.launch import LaunchError, launch
-from cadence.pipeline import PipelineStage, Schedule, build_pipeline
-from cadence.topology import Coords, ParallelGroups, Topology
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "Comm": "cadence.comm:Comm",
+    "CommEvent": "cadence.comm:CommEvent",
+    "CommWork": "cadence.comm:CommWork",
+    "Coords": "cadence.topology:Coords",
+    "DataParallel": "cadence.data_parallel:DataParallel",
+    "EventLog": "cadence.comm:EventLog",
+    "FullyShardedModule": "cadence.fsdp:FullyShardedModule",
+    "MixedPrecisionPolicy": "cadence.fsdp:MixedPrecisionPolicy",
+    "ParallelGroups": "cadence.topology:ParallelGroups",
+    "PipelineStage": "cadence.pipeline:PipelineStage",
+    "ReductionHandle": "cadence.comm:ReductionHandle",
+    "Schedule": "cadence.pipeline:Schedule",
+    "Topology": "cadence.topology:Topology",
+    "WindowState": "cadence.data_parallel:WindowState",
+    "build_pipeline": "cadence.pipeline:build_pipeline",
+    "fully_shard": "cadence.fsdp:fully_shard",
+    "init": "cadence._dist_init:init",
+    "pickling": "cadence.pickling",
+    "pipeline": "cadence.pipeline",
+    "testing": "cadence.testing",
+}
+
+__getattr__ = lazy_getattr("cadence", _LAZY, globals())
+
+if TYPE_CHECKING:  # static tools see the eager imports
+    from cadence import pickling, pipeline, testing
+    from cadence._dist_init import init
+    from cadence.comm import Comm, CommEvent, CommWork, EventLog, ReductionHandle
+    from cadence.data_parallel import DataParallel, WindowState
+    from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
+    from cadence.pipeline import PipelineStage, Schedule, build_pipeline
+    from cadence.topology import Coords, ParallelGroups, Topology
+
 __all__ = [
+    "CadenceError",
     "Comm",
     "CommEvent",
     "CommWork",
@@ -40,3 +81,7 @@ __all__ = [
     "pipeline",
     "testing",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -6,6 +6,8 @@
   which entry differs and by how much.
 - `shard` gives each rank its slice of a global batch, so a test can compare
   against single-process training on the concatenated batch.
+- `run_subtests` runs a grid of sub-cases inside one body (one spawn for all of
+  them) and names the failing case.
 - Collective counting lives in `cadence.EventLog` (``log.count("all_reduce")``).
 
 Example::
@@ -19,20 +21,24 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from cadence.errors import CadenceError
 from cadence.launch import launch
 
 __all__ = [
+    "SubtestFailure",
     "assert_close",
     "max_abs_diff",
     "named_grads",
     "named_params",
     "run_distributed",
+    "run_subtests",
     "seed_all",
     "shard",
 ]
@@ -167,3 +173,35 @@ def named_grads(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 
 def named_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def run_subtests(
+    grid: Mapping[str, Sequence[Any]],
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """Run ``fn(*args, **case, **kwargs)`` for every combination in ``grid``.
+
+    One process group (or none) serves every sub-case, which amortises the cost of
+    spawning ranks. Cases run in the grid's order (the product of its value lists,
+    last key fastest), identically on every rank, so a collective inside ``fn`` stays
+    matched. Returns ``{label: result}`` with labels like ``"mode=auto,world=2"``. A
+    failing case raises `SubtestFailure` naming the case, chained to the original error.
+    """
+    keys = list(grid)
+    results: dict[str, Any] = {}
+    for values in itertools.product(*(grid[k] for k in keys)):
+        case = dict(zip(keys, values))
+        label = ",".join(
+            f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in case.items()
+        )
+        try:
+            results[label] = fn(*args, **case, **kwargs)
+        except Exception as e:
+            raise SubtestFailure(f"sub-case {label} failed: {type(e).__name__}: {e}") from e
+    return results
+
+
+class SubtestFailure(CadenceError, AssertionError):
+    """One sub-case of `run_subtests` failed; the message names the case."""
