@@ -27,6 +27,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from cadence.errors import CadenceRuntimeError, CadenceValueError
+
 __all__ = ["Comm", "CommEvent", "CommWork", "EventLog", "ReduceOpName", "ReductionHandle"]
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
@@ -89,7 +91,7 @@ class EventLog:
         ``total_counts()`` still counts every collective ever recorded.
         """
         if capacity is not None and capacity < 1:
-            raise ValueError(f"EventLog capacity must be >= 1 or None, got {capacity}")
+            raise CadenceValueError(f"EventLog capacity must be >= 1 or None, got {capacity}")
         self._lock = threading.Lock()
         self.capacity = capacity
         self.events: deque[CommEvent] = deque(maxlen=capacity)
@@ -320,7 +322,7 @@ class Comm:
         name: str | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError(
+            raise CadenceRuntimeError(
                 "cadence.Comm needs an initialised process group; call cadence.init() first "
                 "(or run under cadence.launch / torchrun)."
             )
@@ -353,7 +355,7 @@ class Comm:
             world = self.world_size
             return dist.ReduceOp.SUM, lambda: target.div_(world)
         if op not in _OPS:
-            raise ValueError(f"unknown reduce op {op!r}; use one of sum, avg, max, min")
+            raise CadenceValueError(f"unknown reduce op {op!r}; use one of sum, avg, max, min")
         return _OPS[op], None
 
     def global_rank(self, group_rank: int) -> int:
@@ -373,7 +375,7 @@ class Comm:
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
     ) -> CommWork:
         if output.numel() != input.numel() * self.world_size:
-            raise ValueError(
+            raise CadenceValueError(
                 f"all_gather_single: output has {output.numel()} elements, expected "
                 f"{input.numel()} x world {self.world_size}"
             )
@@ -390,7 +392,7 @@ class Comm:
         async_op: bool = False,
     ) -> CommWork:
         if input.numel() != output.numel() * self.world_size:
-            raise ValueError(
+            raise CadenceValueError(
                 f"reduce_scatter_single: input has {input.numel()} elements, expected "
                 f"{output.numel()} x world {self.world_size}"
             )

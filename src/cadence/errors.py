@@ -1,4 +1,4 @@
-"""The one base class of cadence's own errors.
+"""The one base class of cadence's own errors, and its builtin-flavoured children.
 
 Every error cadence raises for a reason of its own (misuse, a bad schedule, a plan
 that differs across ranks, a failed rank) derives from `CadenceError`, so a caller
@@ -7,14 +7,32 @@ the builtin base a user would expect (``ValueError`` for bad input, ``TypeError`
 for a wrong type, ``RuntimeError`` for a state that forbids the call), so existing
 ``except ValueError`` code keeps working.
 
+The three generic children below serve errors that need no class of their own (a
+bad argument, a wrong type, a call the current state forbids). An area whose
+errors a user wants to catch separately defines its own class on top of them
+(`cadence.fsdp.FullyShardError`, `cadence.data_parallel.DataParallelError`,
+`cadence.LaunchError`).
+
 This module imports nothing but the standard library: the torch-free schedule layer
 raises these errors too.
 """
 
 from __future__ import annotations
 
-__all__ = ["CadenceError"]
+__all__ = ["CadenceError", "CadenceRuntimeError", "CadenceTypeError", "CadenceValueError"]
 
 
 class CadenceError(Exception):
     """Base of every error that cadence raises on purpose."""
+
+
+class CadenceValueError(CadenceError, ValueError):
+    """An argument cadence refuses: the message names the value and an accepted one."""
+
+
+class CadenceTypeError(CadenceError, TypeError):
+    """An argument of a type cadence does not accept: the message lists the accepted types."""
+
+
+class CadenceRuntimeError(CadenceError, RuntimeError):
+    """A call the current state forbids: the message names the state and how to leave it."""

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cadence.errors import CadenceRuntimeError, CadenceValueError
+
 __all__ = ["LaunchError", "RankFailure", "launch"]
 
 _POLL_S = 0.02
@@ -44,7 +46,7 @@ class RankFailure:
     traceback: str
 
 
-class LaunchError(RuntimeError):
+class LaunchError(CadenceRuntimeError):
     """A launched rank raised, died or hung; every rank has been stopped."""
 
     def __init__(self, failure: RankFailure, others: list[RankFailure]) -> None:
@@ -118,7 +120,7 @@ def launch(
         LaunchError: a rank raised, exited or hung; all ranks were stopped.
     """
     if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+        raise CadenceValueError(f"nprocs must be a positive int, got {nprocs!r}")
     with tempfile.TemporaryDirectory(prefix="cadence-launch-") as tmp:
         work = Path(tmp)
         (work / "payload.pkl").write_bytes(_dumps((fn, args, kwargs)))

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from cadence.errors import CadenceError
+from cadence.errors import CadenceError, CadenceValueError
 from cadence.launch import launch
 
 __all__ = [
@@ -78,7 +78,7 @@ def shard(batch: torch.Tensor, rank: int, world_size: int, dim: int = 0) -> torc
     """This rank's equal slice of ``batch`` along ``dim`` (raises if it does not divide)."""
     n = batch.shape[dim]
     if n % world_size:
-        raise ValueError(
+        raise CadenceValueError(
             f"batch of {n} along dim {dim} does not split evenly over {world_size} ranks"
         )
     return batch.narrow(dim, rank * (n // world_size), n // world_size)

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from cadence.errors import CadenceRuntimeError, CadenceValueError
+
 __all__ = ["Coords", "ParallelGroups", "Topology"]
 
 
@@ -51,7 +53,7 @@ class Topology:
         for name in ("dp_replicate", "dp_shard", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Topology.{name} must be a positive int, got {value!r}")
+                raise CadenceValueError(f"Topology.{name} must be a positive int, got {value!r}")
 
     @classmethod
     def data_parallel(cls, world_size: int) -> Topology:
@@ -68,9 +70,9 @@ class Topology:
         return self.dp_replicate * self.dp_shard
 
     def validate(self, world_size: int) -> None:
-        """Raise ``ValueError`` with the numbers if the degrees do not cover ``world_size``."""
+        """Raise `CadenceValueError` (a ``ValueError``) with the numbers if the degrees do not cover ``world_size``."""
         if self.world_size != world_size:
-            raise ValueError(
+            raise CadenceValueError(
                 f"Topology degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
                 f"x pp={self.pp} = {self.world_size}, but the world size is {world_size}. "
                 "Choose degrees whose product equals the number of launched ranks."
@@ -78,7 +80,7 @@ class Topology:
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside a topology of {self.world_size} ranks")
+            raise CadenceValueError(f"rank {rank} is outside a topology of {self.world_size} ranks")
         shard = rank % self.dp_shard
         rep = (rank // self.dp_shard) % self.dp_replicate
         pp = rank // (self.dp_shard * self.dp_replicate)
@@ -106,7 +108,7 @@ class Topology:
     def local_slice(self, rank: int, global_batch: int) -> slice:
         """Rows of a global batch of ``global_batch`` that ``rank``'s replica trains on."""
         if global_batch % self.dp_size:
-            raise ValueError(
+            raise CadenceValueError(
                 f"a global batch of {global_batch} rows does not split over dp_size="
                 f"{self.dp_size} replicas (dp_replicate={self.dp_replicate} x "
                 f"dp_shard={self.dp_shard}); use a batch size divisible by {self.dp_size}"
@@ -134,7 +136,7 @@ class Topology:
                 )
             return out
         if dim not in sizes:
-            raise ValueError(
+            raise CadenceValueError(
                 f"unknown topology dimension {dim!r}; use pp, dp_replicate, dp_shard or dp"
             )
         others = [d for d in ("pp", "dp_replicate", "dp_shard") if d != dim]
@@ -151,7 +153,7 @@ class Topology:
     def build(self, *, backend: str | None = None) -> ParallelGroups:
         """Create the named groups. Collective: every rank of the default group must call it."""
         if not dist.is_initialized():
-            raise RuntimeError(
+            raise CadenceRuntimeError(
                 "Topology.build() needs an initialised default process group; call cadence.init() "
                 "(or torch.distributed.init_process_group) first."
             )

@@ -32,8 +32,17 @@ from cadence import _autograd
 from cadence.comm import Comm, CommWork, ReductionHandle
 from cadence.data_parallel._buckets import Bucket
 from cadence.data_parallel.comm_hooks import GradBucket
+from cadence.errors import CadenceRuntimeError
 
-__all__ = ["ForwardToken", "Reducer", "WindowState"]
+__all__ = ["DataParallelError", "ForwardToken", "Reducer", "WindowState"]
+
+
+class DataParallelError(CadenceRuntimeError):
+    """A call that DataParallel's current state forbids; the message names the fix.
+
+    A `cadence.errors.CadenceError` and a ``RuntimeError``. Raised locally, before
+    any collective, so no rank is left waiting in one.
+    """
 
 
 class WindowState(enum.Enum):
@@ -146,19 +155,19 @@ class Reducer:
 
     def check_can_start(self, what: str) -> None:
         if self.failure is not None:
-            raise RuntimeError(
+            raise DataParallelError(
                 f"cannot run {what}: a previous backward or finalize_backward failed "
                 f"({type(self.failure).__name__}: {self.failure}). Other ranks may be blocked "
                 "in a collective. Call dp.reset() on every rank before continuing."
             )
         if self.handle is not None and not self.handle.done:
-            raise RuntimeError(
+            raise DataParallelError(
                 f"cannot run {what}: finalize_backward(async_op=True) returned a handle that "
                 "has not been waited. Call handle.wait() first."
             )
         w = self.window
         if w is not None and w.sync:
-            raise RuntimeError(
+            raise DataParallelError(
                 f"cannot run {what}: the previous synced backward launched its gradient "
                 f"all-reduces ({w.next_bucket} of {len(self.buckets)} buckets) but they were "
                 "never finalized. With require_manual_backward_finalization=True, call "
@@ -172,7 +181,7 @@ class Reducer:
         """Arm a window; called by the sink (or by the first hook as a fallback)."""
         w = self.window
         if w is not None and w.sync:
-            raise RuntimeError(
+            raise DataParallelError(
                 "a new backward started while the previous synced backward's reductions are "
                 "still pending. Call dp.finalize_backward() between the two backwards, or run "
                 "the earlier ones with set_requires_gradient_sync(False) / no_sync()."
@@ -219,7 +228,7 @@ class Reducer:
         if count > expected:
             if w.works[bucket] is not None:
                 name = self.params[index][0]
-                self.failure = RuntimeError(
+                self.failure = DataParallelError(
                     f"gradient of parameter '{name}' was accumulated {count} times in one "
                     f"backward, after its bucket's all-reduce had launched (expected {expected}). "
                     "This happens with reentrant activation checkpointing or a module used "
@@ -314,14 +323,14 @@ class Reducer:
         """
         in_bwd = _autograd.in_backward() and not end_of_backward
         if self.handle is not None and not self.handle.done:
-            raise RuntimeError(
+            raise DataParallelError(
                 "finalize_backward() called again before the previous handle was waited: "
                 "wait on the previous handle (handle.wait()) first."
             )
         w = self.window
         if w is not None and w.sync:
             if in_bwd and (w.learning or w.next_bucket < len(self.buckets)):
-                raise RuntimeError(
+                raise DataParallelError(
                     f"finalize_backward() was called inside backward, but only {w.next_bucket} "
                     f"of {len(self.buckets)} buckets have launched. Finalize from a hook that "
                     "runs after every wrapped parameter's gradient is ready, or after "
@@ -388,7 +397,7 @@ class Reducer:
         self.accumulating = False
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise RuntimeError(
+            raise DataParallelError(
                 f"{len(missing)} parameter(s) received no gradient in a synced backward: "
                 f"{shown}. Their buckets were reduced with zeros so that no rank hangs. If "
                 "some parameters are legitimately unused, pass "

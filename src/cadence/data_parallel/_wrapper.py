@@ -18,7 +18,8 @@ from torch.utils.hooks import RemovableHandle
 from cadence import _autograd
 from cadence.comm import Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
-from cadence.data_parallel._reducer import ForwardToken, Reducer, WindowState
+from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
+from cadence.errors import CadenceValueError
 from cadence.topology import ParallelGroups
 
 __all__ = ["DataParallel"]
@@ -111,15 +112,15 @@ class DataParallel(nn.Module):
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0 or (first_bucket_cap_mb is not None and first_bucket_cap_mb <= 0):
-            raise ValueError(
+            raise CadenceValueError(
                 f"bucket caps must be positive, got bucket_cap_mb={bucket_cap_mb}, "
                 f"first_bucket_cap_mb={first_bucket_cap_mb}"
             )
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
-            raise ValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
+            raise CadenceValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
-            raise ValueError(
+            raise CadenceValueError(
                 "DataParallel needs a module with at least one parameter requiring grad"
             )
         if (
@@ -127,13 +128,13 @@ class DataParallel(nn.Module):
             and reduce_dtype is not None
             and any(p.dtype != reduce_dtype for _, p in named)
         ):
-            raise ValueError(
+            raise CadenceValueError(
                 "gradient_as_bucket_view=True needs the wire dtype to equal the parameter dtype; "
                 "drop reduce_dtype or set gradient_as_bucket_view=False"
             )
         for n, p in named:
             if p.is_sparse or p.layout != torch.strided:
-                raise ValueError(f"parameter '{n}' is not a dense strided tensor")
+                raise CadenceValueError(f"parameter '{n}' is not a dense strided tensor")
         self.module = module
         if isinstance(group, ParallelGroups):
             group = group.dp
@@ -180,7 +181,7 @@ class DataParallel(nn.Module):
                     (f"{a} vs {b}" for a, b in zip(everyone[0], theirs) if a != b),
                     f"{len(everyone[0])} vs {len(theirs)} parameters",
                 )
-                raise ValueError(
+                raise CadenceValueError(
                     f"DataParallel: rank {rank} has different parameters than rank 0 ({diff}). "
                     "Every rank must wrap an identical model."
                 )
@@ -224,12 +225,12 @@ class DataParallel(nn.Module):
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Backward launches reductions; the caller finalizes (see `finalize_backward`)."""
         if _autograd.in_backward():
-            raise RuntimeError(
+            raise DataParallelError(
                 "set_manual_backward_finalization() cannot be called during backward; set it "
                 "before the forward whose backward it should govern."
             )
         if not enabled and self._reducer.pending:
-            raise RuntimeError(
+            raise DataParallelError(
                 "cannot turn manual finalization off while reductions are pending; call "
                 "finalize_backward() first."
             )
@@ -246,7 +247,7 @@ class DataParallel(nn.Module):
     def set_requires_gradient_sync(self, enabled: bool) -> None:
         """Whether backwards reduce. Read when each backward *starts*, not at forward."""
         if _autograd.in_backward():
-            raise RuntimeError(
+            raise DataParallelError(
                 "set_requires_gradient_sync() cannot be called during backward: the sync "
                 "decision of a backward is taken when it starts."
             )
@@ -289,9 +290,11 @@ class DataParallel(nn.Module):
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
         """Replace the all-reduce of each bucket (torch DDP signature; one hook per wrapper)."""
         if self._reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook() may be called only once per DataParallel")
+            raise DataParallelError("register_comm_hook() may be called only once per DataParallel")
         if self._reducer.pending:
-            raise RuntimeError("register_comm_hook() cannot be called while reductions are pending")
+            raise DataParallelError(
+                "register_comm_hook() cannot be called while reductions are pending"
+            )
         self._reducer.comm_hook = (state, hook)
         self._reducer.wire_divide = False  # hooks get un-divided buckets (DDP contract)
 

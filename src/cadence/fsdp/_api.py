@@ -6,13 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
+from cadence.errors import CadenceRuntimeError, CadenceValueError
+
 __all__ = ["FullyShardError", "MixedPrecisionPolicy"]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-class FullyShardError(RuntimeError):
-    """A misuse of a fully sharded module: the message names the cause and the fix."""
+class FullyShardError(CadenceRuntimeError):
+    """A misuse of a fully sharded module: the message names the cause and the fix.
+
+    A `cadence.errors.CadenceError` and a ``RuntimeError``.
+    """
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ class MixedPrecisionPolicy:
         for name in ("param_dtype", "reduce_dtype", "output_dtype", "accumulate_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOATS:
-                raise ValueError(
+                raise CadenceValueError(
                     f"MixedPrecisionPolicy.{name}={value} is not a floating dtype; "
                     f"use one of {', '.join(str(d) for d in _FLOATS)} or None"
                 )

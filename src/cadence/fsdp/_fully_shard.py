@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
 from cadence.comm import EventLog, ReductionHandle
+from cadence.errors import CadenceValueError
 from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
 from cadence.fsdp._param import collect_params
 from cadence.fsdp._state import Runtime
@@ -122,7 +123,7 @@ class FullyShardedModule(nn.Module):
         each reduce-scatter at once (no overlap, FSDP2-on-CPU memory).
         """
         if n < 0:
-            raise ValueError(f"max in-flight reductions must be >= 0, got {n}")
+            raise CadenceValueError(f"max in-flight reductions must be >= 0, got {n}")
         self._runtime.max_inflight_reductions = n
 
     # -- unshard / reshard (this module's unit only, as FSDP2) --------------------
@@ -224,7 +225,7 @@ def _local_rows(target: DTensor) -> tuple[int, int]:
 
 def _unit_of(module: nn.Module) -> Unit:
     if not isinstance(module, FullyShardedModule):
-        raise ValueError(
+        raise CadenceValueError(
             f"{type(module).__name__} is not a fully_shard module; prefetch lists name "
             "modules that fully_shard was applied to."
         )

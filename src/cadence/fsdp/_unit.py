@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from cadence.comm import Comm, CommWork, EventLog
+from cadence.errors import CadenceValueError
 from cadence.fsdp._api import MixedPrecisionPolicy
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
 from cadence.fsdp._streams import StreamSet
@@ -93,7 +94,7 @@ class Unit:
         self.placements = placements
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
-            raise ValueError(
+            raise CadenceValueError(
                 f"fully_shard({type(module).__name__}): parameters have mixed dtypes {dtypes}; "
                 "one unit all-gathers one flat buffer, so cast them to one dtype first or wrap "
                 "them in separate units."
