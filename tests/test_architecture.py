@@ -30,7 +30,6 @@ KNOWN_CYCLES: set[frozenset[str]] = {
         {"cadence.pickling._paths", "cadence.pickling._pickler", "cadence.pickling._reducers"}
     ),
     frozenset({"cadence.pipeline.passes", "cadence.pipeline.sim"}),
-    frozenset({"cadence.fsdp._state", "cadence.fsdp._unit"}),
 }
 KNOWN_LONG: set[str] = set()
 KNOWN_OUTSIDE_REFS: set[str] = {

@@ -43,9 +43,9 @@ def test_top_down_application_raises(r: dict[str, Any]) -> None:
 
 
 def test_mixed_dtypes_in_one_unit_raise(r: dict[str, Any]) -> None:
-    assert (
-        r["err_mixed_dtypes"].startswith("ValueError") and "mixed dtypes" in r["err_mixed_dtypes"]
-    )
+    # CadenceValueError: a ValueError and a CadenceError.
+    assert r["err_mixed_dtypes"].startswith("CadenceValueError")
+    assert "mixed dtypes" in r["err_mixed_dtypes"]
 
 
 # -- all-gather and prefetch ------------------------------------------------------

@@ -28,25 +28,26 @@ _CLASS_CACHE: dict[type, type] = {}
 class UnshardHandle:
     """An in-flight ``unshard(async_op=True)``; ``wait()`` (idempotent) registers the params."""
 
-    def __init__(self, unit: Unit) -> None:
+    def __init__(self, unit: Unit, runtime: Runtime) -> None:
         self._unit = unit
+        self._runtime = runtime
 
     def wait(self) -> None:
         self._unit.wait_unshard()
-        assert self._unit.runtime is not None
-        self._unit.runtime.note_unsharded()
+        self._runtime.note_unsharded()
 
 
 class FullyShardedModule(nn.Module):
     """Mixed into the class of every module passed to `fully_shard` (first in the MRO)."""
 
     _cadence_unit: Unit
+    # The runtime of this module's current root: replaced when a later fully_shard
+    # call wraps an ancestor, so hooks look it up here at call time.
+    _cadence_runtime: Runtime
 
     @property
     def _runtime(self) -> Runtime:
-        runtime = self._cadence_unit.runtime
-        assert runtime is not None
-        return runtime
+        return self._cadence_runtime
 
     def _units(self, recurse: bool) -> list[Unit]:
         if not recurse:
@@ -133,7 +134,7 @@ class FullyShardedModule(nn.Module):
         runtime.check_no_pending_handle("unshard()")
         unit = self._cadence_unit
         unit.unshard(async_op=async_op)
-        handle = UnshardHandle(unit)
+        handle = UnshardHandle(unit, runtime)
         if not async_op:
             handle.wait()
             return None
@@ -326,23 +327,24 @@ def fully_shard(
     for u in units:
         if u.state is not ShardedState.SHARDED:
             u.reshard()
-        u.runtime = runtime
+        u.module._cadence_runtime = runtime  # type: ignore[assignment]
         # None: nested units reshard, the root does not (backward would re-gather it at
         # once, pytorch/pytorch#154704). An explicit value is honoured, as in FSDP2 2.13.
         arg = u.reshard_after_forward_arg
         u.reshard_after_forward = (u is not unit) if arg is None else arg
 
+    wrapped = cast(FullyShardedModule, module)
     module.register_forward_pre_hook(
-        lambda m, args, kwargs: unit.runtime.pre_forward(unit, args, kwargs),  # type: ignore[union-attr]
+        lambda m, args, kwargs: wrapped._runtime.pre_forward(unit, args, kwargs),
         with_kwargs=True,
     )
     module.register_forward_hook(
-        lambda m, args, output: unit.runtime.post_forward(unit, output)  # type: ignore[union-attr]
+        lambda m, args, output: wrapped._runtime.post_forward(unit, output)
     )
     for info in params:
         if info.requires_grad:
             assert info.unsharded is not None
             info.unsharded.register_post_accumulate_grad_hook(
-                lambda p: unit.runtime.post_accumulate_hook(unit)(p)  # type: ignore[union-attr]
+                lambda p: wrapped._runtime.post_accumulate(unit)
             )
     return module

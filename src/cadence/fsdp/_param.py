@@ -20,7 +20,7 @@ Shape legend: ``W`` = shard-group size, ``S`` = padded shard numel of a unit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,7 +51,6 @@ class ParamInfo:
     # -- tensors --
     sharded: nn.Parameter | None = None  # DTensor Shard(0), what the optimizer sees
     unsharded: nn.Parameter | None = None  # view into the unit's unsharded_flat
-    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def numel(self) -> int:

@@ -207,13 +207,11 @@ class Runtime:
         # A unit whose post-backward already ran (the root, typically) needs nothing.
         self.prefetch([t for t in self.backward_targets(unit) if not t.post_backward_done])
 
-    def post_accumulate_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            unit.hooks_fired += 1
-            if unit.hooks_fired >= unit.num_grad_params:
-                self.post_backward(unit)
-
-        return hook
+    def post_accumulate(self, unit: Unit) -> None:
+        """Post-accumulate-grad hook of one of ``unit``'s parameters."""
+        unit.hooks_fired += 1
+        if unit.hooks_fired >= unit.num_grad_params:
+            self.post_backward(unit)
 
     def post_backward(self, unit: Unit) -> None:
         """Reshard per flag, then reduce now (sync) or accumulate locally (no sync)."""
@@ -252,18 +250,6 @@ class Runtime:
         # the next forward re-gathers it (reshard_after_backward=False is preserved).
         if unit.state is not ShardedState.SHARDED:
             unit.stale = True
-
-    def retire_completed(self) -> None:
-        """Free the inputs of reductions the backend already finished (never blocks).
-
-        Runs before a unit's parameters are gathered in backward, so a finished
-        reduce-scatter's (W, S) input is not alive next to the new unsharded buffers.
-        Only on CPU: on CUDA ``is_completed`` would be host polling on the hot path.
-        """
-        while self.inflight and self.root.device.type == "cpu":
-            if not self.inflight[0].rs_work.is_completed():
-                return
-            self.retire(self.inflight.popleft())
 
     def retire(self, pr: PendingReduction) -> None:
         pr.rs_work.wait()

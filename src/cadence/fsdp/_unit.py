@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,9 +19,6 @@ from cadence.errors import CadenceValueError
 from cadence.fsdp._api import MixedPrecisionPolicy
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
 from cadence.fsdp._streams import StreamSet
-
-if TYPE_CHECKING:
-    from cadence.fsdp._state import Runtime
 
 __all__ = ["AllGatherState", "PendingReduction", "ShardedState", "Unit"]
 
@@ -108,8 +105,7 @@ class Unit:
         )
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        # -- comm and runtime, set when the root's fully_shard call builds the runtime --
-        self.runtime: Runtime | None = None
+        # -- comm, set when the root's fully_shard call builds the runtime --
         self.event_log: EventLog | None = None
         self.comm: Comm | None = None
         self.replicate_comm: Comm | None = None
@@ -143,7 +139,6 @@ class Unit:
         self.post_backward_done = False
         self.pre_backward_done = False
         self.hooks_fired = 0
-        self.forwarded = False
         self.num_grad_params = sum(1 for p in params if p.requires_grad)
         # -- prefetch lists --
         self.forward_prefetch: list[Unit] | None = None
