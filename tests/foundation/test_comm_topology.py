@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import cadence
 from cadence.testing import run_distributed
-from tests.foundation import _bodies as B
+from tests.foundation import bodies_comm as B
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +77,8 @@ def test_rank_layout_pipeline_outermost() -> None:
     assert topo.groups_of("dp") == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-def test_topology_groups_at_world4() -> None:
-    results = run_distributed(B.topology_groups, world_size=4)
+def test_topology_groups_at_world4(world4: dict[str, Any]) -> None:
+    results = [r["groups"] for r in world4]
     assert [r["coords"] for r in results] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     assert results[0]["dp"] == (4, 6.0)
     assert results[0]["dp_shard"] == (2, 1.0)  # ranks 0 + 1
@@ -94,7 +96,10 @@ def test_rank_layout_is_owned_by_topology() -> None:
     assert topo.pp_ranks_of(2) == [2, 6]
     # Replica r of a global batch of 8 takes rows [2r, 2r + 2), whatever its pp stage.
     assert [topo.local_slice(r, 8) for r in (0, 3, 4, 7)] == [
-        slice(0, 2), slice(6, 8), slice(0, 2), slice(6, 8)
+        slice(0, 2),
+        slice(6, 8),
+        slice(0, 2),
+        slice(6, 8),
     ]
     with pytest.raises(ValueError, match="does not split over dp_size=4"):
         topo.local_slice(0, 6)

@@ -9,7 +9,7 @@ import pytest
 
 import cadence
 from cadence.testing import run_distributed
-from tests.foundation import _bodies as B
+from tests.foundation import bodies_launch as B
 
 
 def test_results_and_environment() -> None:

@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
@@ -20,7 +19,7 @@ from cadence.comm import Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
 from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
 from cadence.errors import CadenceValueError
-from cadence.topology import ParallelGroups
+from cadence.topology import DataParallelGroup, DataParallelLayout
 
 __all__ = ["DataParallel"]
 
@@ -78,7 +77,10 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model replica.
-        group: a ProcessGroup, a `ParallelGroups` (uses its ``dp`` group) or None (world).
+        group: the data-parallel group to all-reduce over: None (the world), a
+            ProcessGroup, a `ParallelGroups` (its flattened ``dp`` group) or a 1-D or
+            2-D DeviceMesh (flattened). See [Note: the meaning of group=] in
+            ``cadence/topology.py``; fully_shard reads it the same way.
         bucket_cap_mb: bucket size cap in MiB (parameters are never split).
         first_bucket_cap_mb: cap of the bucket holding the first-registered
             parameters, reduced last; small so the exposed tail is short.
@@ -100,7 +102,7 @@ class DataParallel(nn.Module):
         self,
         module: nn.Module,
         *,
-        group: dist.ProcessGroup | ParallelGroups | None = None,
+        group: DataParallelGroup = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = 1.0,
         reduce_dtype: torch.dtype | None = None,
@@ -136,12 +138,11 @@ class DataParallel(nn.Module):
             if p.is_sparse or p.layout != torch.strided:
                 raise CadenceValueError(f"parameter '{n}' is not a dense strided tensor")
         self.module = module
-        if isinstance(group, ParallelGroups):
-            group = group.dp
+        layout = DataParallelLayout.of(group, who="DataParallel")
         # Without a caller's log, keep a bounded one: stats() and debugging need recent
         # events, but a million-step run must not grow memory without bound.
         self.event_log = event_log if event_log is not None else EventLog(capacity=4096)
-        self._comm = Comm(group, event_log=self.event_log, name="dp")
+        self._comm = Comm(layout.dp_group(), event_log=self.event_log, name="dp")
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._no_sync_depth = 0

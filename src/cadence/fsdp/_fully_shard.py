@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
@@ -18,7 +16,7 @@ from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
 from cadence.fsdp._param import collect_params
 from cadence.fsdp._state import Runtime
 from cadence.fsdp._unit import ShardedState, Unit
-from cadence.topology import ParallelGroups
+from cadence.topology import DataParallelGroup, DataParallelLayout
 
 __all__ = ["FullyShardedModule", "UnshardHandle", "fully_shard"]
 
@@ -233,38 +231,10 @@ def _unit_of(module: nn.Module) -> Unit:
     return module._cadence_unit
 
 
-def _resolve_group(
-    group: dist.ProcessGroup | ParallelGroups | None,
-) -> tuple[
-    dist.ProcessGroup, dist.ProcessGroup | None, DeviceMesh, tuple[Placement, ...], torch.device
-]:
-    if not dist.is_initialized():
-        raise FullyShardError(
-            "fully_shard needs an initialised process group; call cadence.init() first."
-        )
-    if isinstance(group, ParallelGroups):
-        # The rank layout (which ranks form the dp mesh) is ParallelGroups' to own.
-        if group.topology.dp_replicate > 1:
-            return (
-                group.dp_shard,
-                group.dp_replicate,
-                group.dp_mesh,
-                (Replicate(), Shard(0)),
-                group.device,
-            )
-        return group.dp_shard, None, group.dp_mesh, (Shard(0),), group.device
-    pg = group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
-    device = torch.device("cpu")
-    if dist.get_backend(pg) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mesh = DeviceMesh.from_group(pg, device.type, mesh_dim_names=("dp_shard",))
-    return pg, None, mesh, (Shard(0),), device
-
-
 def fully_shard(
     module: nn.Module,
     *,
-    group: dist.ProcessGroup | ParallelGroups | None = None,
+    group: DataParallelGroup = None,
     reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     event_log: EventLog | None = None,
@@ -275,9 +245,12 @@ def fully_shard(
     whose class becomes ``FullyShard<Class>`` (names and state-dict keys unchanged).
 
     Args:
-        group: the shard group (default: the world), or `ParallelGroups` (HSDP when
-            ``dp_replicate > 1``: reduce-scatter over ``dp_shard``, all-reduce over
-            ``dp_replicate``).
+        group: the data-parallel group: None (the world), a ProcessGroup (shard over
+            it), a `ParallelGroups` (shard over ``dp_shard``; HSDP when
+            ``dp_replicate > 1``: all-reduce the shards over ``dp_replicate``) or a
+            DeviceMesh (1-D: shard; 2-D: (replicate, shard), HSDP). See
+            [Note: the meaning of group=] in ``cadence/topology.py``; DataParallel
+            reads it the same way.
         reshard_after_forward: free the unsharded parameters after forward (re-gathered
             for backward). ``None``: True except for the root.
         mp_policy: see `MixedPrecisionPolicy`.
@@ -288,7 +261,8 @@ def fully_shard(
             f"fully_shard was already applied to {type(module).__name__}; apply it once."
         )
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    shard_group, replicate_group, mesh, placements, device = _resolve_group(group)
+    layout = DataParallelLayout.of(group, who="fully_shard")
+    device = layout.device
     params = collect_params(module)
     for info in params:
         reg_module, reg_name = info.registrations[0]
@@ -302,15 +276,9 @@ def fully_shard(
     unit = Unit(
         module,
         params,
-        shard_group=shard_group,
-        replicate_group=replicate_group,
-        mesh=mesh,
-        placements=placements,
-        world=dist.get_world_size(shard_group),
-        rank=dist.get_rank(shard_group),
+        layout=layout,
         mp_policy=mp_policy,
         reshard_after_forward=reshard_after_forward,
-        device=device,
     )
     unit.event_log = event_log
     module._cadence_unit = unit  # type: ignore[assignment]

@@ -11,14 +11,14 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
 
 from cadence.comm import Comm, CommWork, EventLog
 from cadence.errors import CadenceValueError
 from cadence.fsdp._api import MixedPrecisionPolicy
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
 from cadence.fsdp._streams import StreamSet
+from cadence.topology import DataParallelLayout
 
 __all__ = ["AllGatherState", "PendingReduction", "ShardedState", "Unit"]
 
@@ -68,27 +68,21 @@ class Unit:
         module: nn.Module,
         params: list[ParamInfo],
         *,
-        shard_group: torch.distributed.ProcessGroup,
-        replicate_group: torch.distributed.ProcessGroup | None,
-        mesh: DeviceMesh,
-        placements: tuple[Placement, ...],
-        world: int,
-        rank: int,
+        layout: DataParallelLayout,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | None,
-        device: torch.device,
     ) -> None:
         # -- identity and policy --
         self.module = module
         self.params = params
         self.mp_policy = mp_policy
-        self.world = world
-        self.rank = rank
-        self.device = device
-        self.shard_group = shard_group
-        self.replicate_group = replicate_group
-        self.mesh = mesh
-        self.placements = placements
+        self.shard_group = layout.shard_group
+        self.replicate_group = layout.replicate_group
+        self.mesh = layout.mesh
+        self.placements = layout.placements
+        self.device = layout.device
+        self.world = layout.shard_size
+        self.rank = torch.distributed.get_rank(layout.shard_group)
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise CadenceValueError(
@@ -109,26 +103,30 @@ class Unit:
         self.event_log: EventLog | None = None
         self.comm: Comm | None = None
         self.replicate_comm: Comm | None = None
-        self.streams = StreamSet(device)  # see [Note: streams and events]
+        self.streams = StreamSet(self.device)  # see [Note: streams and events]
         # -- sharded storage --
-        self.shard_numel = make_layout(params, world, rank)
-        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.orig_dtype, device=device)  # 1D
+        self.shard_numel = make_layout(params, self.world, self.rank)
+        self.flat_shard = torch.zeros(
+            self.shard_numel, dtype=self.orig_dtype, device=self.device
+        )  # 1D
         with torch.no_grad():
             for info in params:
                 reg_module, reg_name = info.registrations[0]
                 full = reg_module._parameters[reg_name]
                 assert full is not None
-                start = min(rank * info.chunk_rows, info.shape[0])
+                start = min(self.rank * info.chunk_rows, info.shape[0])
                 rows = full.detach().narrow(0, start, info.local_rows)
                 self.flat_shard.narrow(0, info.offset, info.local_numel).copy_(rows.reshape(-1))
-                info.sharded = make_sharded_param(info, self.flat_shard, mesh, placements)
+                info.sharded = make_sharded_param(info, self.flat_shard, self.mesh, self.placements)
                 info.register(info.sharded)
         # -- unsharded storage: one buffer, freed by resizing its storage to 0 --
         self.unsharded_flat = torch.empty(
-            world * self.shard_numel, dtype=self.param_dtype, device=device
+            self.world * self.shard_numel, dtype=self.param_dtype, device=self.device
         )  # 1D, parameter-major
         for info in params:
-            view = self.unsharded_flat.narrow(0, world * info.offset, info.numel).view(info.shape)
+            view = self.unsharded_flat.narrow(0, self.world * info.offset, info.numel).view(
+                info.shape
+            )
             info.unsharded = nn.Parameter(view, requires_grad=info.requires_grad)
         self._free_unsharded()
         self.state = ShardedState.SHARDED

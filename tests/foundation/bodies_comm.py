@@ -1,52 +1,13 @@
-"""Rank bodies for the foundation tests."""
+"""Rank body for the collective adapter: every collective, handles and the event log."""
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import cadence
-
-
-def raise_on_rank1() -> None:
-    if dist.get_rank() == 1:
-        raise ValueError("boom from rank 1")
-    # Rank 0 blocks in a collective that rank 1 never joins: the launcher must stop it.
-    t = torch.zeros(1)
-    dist.all_reduce(t)
-
-
-def exit_on_rank1() -> None:
-    if dist.get_rank() == 1:
-        os._exit(3)
-    dist.all_reduce(torch.zeros(1))
-
-
-def hang_forever() -> None:
-    if dist.get_rank() == 0:
-        time.sleep(3600)
-    dist.all_reduce(torch.zeros(1))
-
-
-def write_pid_then_hang(path: str) -> None:
-    with open(f"{path}.{dist.get_rank()}", "w") as f:
-        f.write(str(os.getpid()))
-    time.sleep(3600)
-
-
-def env_and_threads() -> dict[str, Any]:
-    return {
-        "rank": dist.get_rank(),
-        "world": dist.get_world_size(),
-        "env_rank": int(os.environ["RANK"]),
-        "local_rank": int(os.environ["LOCAL_RANK"]),
-        "threads": torch.get_num_threads(),
-        "backend": dist.get_backend(),
-    }
 
 
 def collectives(world: int) -> dict[str, Any]:
@@ -121,20 +82,3 @@ def collectives(world: int) -> dict[str, Any]:
         res["p2p"] = y.tolist()
     res["objects"] = comm.all_gather_object({"r": rank})
     return res
-
-
-def topology_groups() -> dict[str, Any]:
-    pg = cadence.init(cadence.Topology(dp_replicate=2, dp_shard=2))
-    out: dict[str, Any] = {"coords": tuple(pg.coords)}
-    for name in ("dp", "dp_replicate", "dp_shard", "pp"):
-        group = getattr(pg, name)
-        t = torch.tensor([float(pg.rank)])
-        dist.all_reduce(t, group=group)
-        out[name] = (dist.get_world_size(group), float(t))
-    return out
-
-
-def init_twice() -> int:
-    # cadence.init() after the launcher initialised: reuses the default group.
-    pg = cadence.init()
-    return pg.world_size

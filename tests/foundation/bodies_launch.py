@@ -1,0 +1,55 @@
+"""Rank bodies for the launcher tests: results, environment, and each way a rank can fail."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import cadence
+
+
+def raise_on_rank1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom from rank 1")
+    # Rank 0 blocks in a collective that rank 1 never joins: the launcher must stop it.
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+
+
+def exit_on_rank1() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.all_reduce(torch.zeros(1))
+
+
+def hang_forever() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+    dist.all_reduce(torch.zeros(1))
+
+
+def write_pid_then_hang(path: str) -> None:
+    with open(f"{path}.{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(3600)
+
+
+def env_and_threads() -> dict[str, Any]:
+    return {
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "env_rank": int(os.environ["RANK"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "threads": torch.get_num_threads(),
+        "backend": dist.get_backend(),
+    }
+
+
+def init_twice() -> int:
+    # cadence.init() after the launcher initialised: reuses the default group.
+    pg = cadence.init()
+    return pg.world_size
