@@ -29,6 +29,7 @@ _LAZY = {
     "DataParallel": "cadence.data_parallel:DataParallel",
     "EventLog": "cadence.comm:EventLog",
     "FullyShardedModule": "cadence.fsdp:FullyShardedModule",
+    "GradientTiming": "cadence._timing:GradientTiming",
     "MixedPrecisionPolicy": "cadence.fsdp:MixedPrecisionPolicy",
     "ParallelGroups": "cadence.topology:ParallelGroups",
     "PipelineStage": "cadence.pipeline:PipelineStage",
@@ -49,6 +50,7 @@ __getattr__ = lazy_getattr("cadence", _LAZY, globals())
 if TYPE_CHECKING:  # static tools see the eager imports
     from cadence import pickling, pipeline, testing
     from cadence._dist_init import init
+    from cadence._timing import GradientTiming
     from cadence.comm import Comm, CommEvent, CommWork, EventLog, ReductionHandle
     from cadence.data_parallel import DataParallel, WindowState
     from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
@@ -64,6 +66,7 @@ __all__ = [
     "DataParallel",
     "EventLog",
     "FullyShardedModule",
+    "GradientTiming",
     "LaunchError",
     "MixedPrecisionPolicy",
     "ParallelGroups",

@@ -1,22 +1,80 @@
-"""The gradient-timing verbs shared by DataParallel and fully_shard.
+"""`GradientTiming`: the gradient-timing verbs every cadence wrapper shares.
 
-Pipeline code (and users) call only these, and never check which wrapper they
-hold: see ``docs/architecture.md``. The methods set flags that the hooks read
-later; none of them issues a collective except ``finalize_backward``.
+`cadence.DataParallel` and modules returned by `cadence.fully_shard` implement it,
+so pipeline code and users drive either without knowing which they hold
+(``isinstance(module, cadence.GradientTiming)``). The setters only set flags that
+the hooks read later; no verb issues a collective except ``finalize_backward``.
+
+[Note: one set of timing verbs]
+Each verb means the same on every wrapper:
+
+- ``set_requires_gradient_sync(flag, *, recurse=True)``: whether backwards reduce
+  (True) or accumulate locally (False). Raises inside backward: a backward's sync
+  decision is fixed for the whole backward (DataParallel takes it when the backward
+  starts; fully_shard reads it per unit, so a flip mid-backward would reduce some
+  units and not others). ``recurse`` reaches nested fully_shard units;
+  DataParallel is one reduction unit with nothing nested, so both values act on
+  the whole wrapper.
+- ``set_manual_backward_finalization(flag)`` (or assigning
+  ``require_manual_backward_finalization``): sticky; raises inside backward,
+  because the end-of-backward callback reads it.
+- ``should_finalize_after_backward`` (read after forward): True when manual mode is
+  on and the coming backward will launch reductions the caller must finalize.
+- ``finalize_backward(async_op=False)``: finishes every pending reduction and
+  writes the reduced ``.grad``, following the current flags (a deferred reduction
+  of gradients accumulated with sync off is paid here once sync is on again).
+  Blocking, it returns None; with ``async_op=True`` it always returns a
+  `ReductionHandle`, already completed when nothing was pending, so callers
+  never test for None. Inside backward, see [Note: finalize inside backward].
+- ``register_optimizer(opt)``: ``opt.step()`` raises while a handle is unwaited,
+  while reductions a backward launched are not finalized, and after a failed
+  backward until ``reset_iter_state()``.
+- ``reset_iter_state()``: drops the state of a step that raised (call it on
+  every rank).
+
+One difference is kept, for a reason: several *syncing* backwards before one
+manual finalize. fully_shard accepts them (each reduction owns its buffers; the
+reduced shards add up in ``.grad``); DataParallel refuses the second backward,
+because its bucket buffers are reused by every backward and would be overwritten
+while in flight. Accumulate with sync off there instead (one reduction, fewer
+bytes on the wire).
+
+[Note: finalize inside backward]
+``finalize_backward()`` may be called from a hook inside backward once every
+reduction that backward will launch has launched (DataParallel: every bucket;
+fully_shard: every unit that took part in the forward has run its post-backward,
+so every reduce-scatter is issued). It then behaves as after backward: waits and
+writes ``.grad``, and the end-of-backward callback finds nothing left to do.
+Called earlier it raises, naming how many have launched.
+
+Why allow it: the optimizer-in-backward pattern. A hook on a tensor just upstream
+of the wrapped module (an embedding's output) fires after the wrapped part's
+backward, while the rest of backward (the embedding's gradient, a sparse
+all-to-all) still runs; finalizing and stepping the dense optimizer there hides
+the step behind that work. Nothing about sharding makes it unsafe: once the last
+reduce-scatter is issued the gradients are final, exactly as for buckets.
+Why refuse earlier: a reduction not launched yet would have to be launched by the
+finalize, out of the backward's order. Its gradient is not final (a later hook
+still adds to it), and ranks whose hooks run at different points would issue
+collectives in different orders.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from cadence import _autograd
 from cadence.comm import ReductionHandle
 
-__all__ = ["GradientTiming"]
+__all__ = ["GradientTiming", "refuse_inside_backward"]
 
 
 @runtime_checkable
 class GradientTiming(Protocol):
-    """What a data-parallel wrapper exposes to schedules and callers."""
+    """The verbs a data-parallel wrapper exposes; see [Note: one set of timing verbs]."""
 
     @property
     def require_manual_backward_finalization(self) -> bool:
@@ -24,18 +82,35 @@ class GradientTiming(Protocol):
         ...
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """Set the flag above; an error inside backward."""
+        """Set the flag above (sticky); an error inside backward."""
         ...
 
     @property
     def should_finalize_after_backward(self) -> bool:
-        """Queried after forward: will the coming backward leave reductions to finalize?"""
+        """Read after forward: will the coming backward leave reductions to finalize?"""
         ...
 
-    def set_requires_gradient_sync(self, enabled: bool) -> None:
-        """Whether backwards reduce (read when a backward starts) or accumulate locally."""
+    def set_requires_gradient_sync(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether backwards reduce or accumulate locally; an error inside backward."""
         ...
 
     def finalize_backward(self, *, async_op: bool = False) -> ReductionHandle | None:
-        """Finish (or, with ``async_op``, hand back a handle for) every pending reduction."""
+        """Finish every pending reduction; with ``async_op`` hand back a handle instead."""
         ...
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
+        """Make ``optimizer.step()`` raise while the gradients are not the reduced ones."""
+        ...
+
+    def reset_iter_state(self) -> None:
+        """Drop the state of a step that raised (on every rank)."""
+        ...
+
+
+def refuse_inside_backward(verb: str, why: str, error: type[Exception]) -> None:
+    """Raise ``error`` when a setter of the timing verbs is called inside backward."""
+    if _autograd.in_backward():
+        raise error(
+            f"{verb} was called inside backward (from a hook?): {why} "
+            "Fix: call it before the forward whose backward it should govern."
+        )

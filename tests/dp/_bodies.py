@@ -358,13 +358,13 @@ def misuse() -> dict[str, str]:
             t = t * 1.0
             t.register_hook(
                 lambda g: msgs.append(
-                    _expect_error(lambda: dp.set_requires_gradient_sync(False), "during backward")
+                    _expect_error(lambda: dp.set_requires_gradient_sync(False), "inside backward")
                 )
             )
             t.register_hook(
                 lambda g: msgs.append(
                     _expect_error(
-                        lambda: dp.set_manual_backward_finalization(False), "during backward"
+                        lambda: dp.set_manual_backward_finalization(False), "inside backward"
                     )
                 )
             )
@@ -395,8 +395,8 @@ def misuse() -> dict[str, str]:
     res["missing_grad"] = _expect_error(
         lambda: F.mse_loss(dpu(xl), yl).backward(), "b.weight", "find_unused_parameters=True"
     )
-    res["failed_state"] = _expect_error(lambda: dpu(xl), "reset()")
-    dpu.reset()
+    res["failed_state"] = _expect_error(lambda: dpu(xl), "reset_iter_state()")
+    dpu.reset_iter_state()
     dpu.module.use_b = True
     F.mse_loss(dpu(xl), yl).backward()
     res["after_reset"] = "ok" if dpu.module.a.weight.grad is not None else "no grad after reset"

@@ -64,7 +64,8 @@ class ForwardToken:
 @dataclass
 class _Window:
     sync: bool
-    task_id: int
+    deferred: bool = False  # opened by finalize_backward to pay an owed reduction
+    ended: bool = False  # the end-of-backward callback ran (the backward did not raise)
     counts: dict[int, int] = field(default_factory=dict)
     pending: list[int] = field(default_factory=list)  # params still owed per bucket
     works: list[CommWork | None] = field(default_factory=list)
@@ -158,7 +159,7 @@ class Reducer:
             raise DataParallelError(
                 f"cannot run {what}: a previous backward or finalize_backward failed "
                 f"({type(self.failure).__name__}: {self.failure}). Other ranks may be blocked "
-                "in a collective. Call dp.reset() on every rank before continuing."
+                "in a collective. Call dp.reset_iter_state() on every rank before continuing."
             )
         if self.handle is not None and not self.handle.done:
             raise DataParallelError(
@@ -166,6 +167,16 @@ class Reducer:
                 "has not been waited. Call handle.wait() first."
             )
         w = self.window
+        # A window whose end-of-backward callback never ran (and that is not the one
+        # running now) belongs to a backward that raised.
+        running = _autograd.in_backward()
+        if w is not None and w.sync and not w.ended and not w.deferred and not running:
+            raise DataParallelError(
+                f"cannot run {what}: the previous backward did not finish (it probably "
+                f"raised) after launching {w.next_bucket} of {len(self.buckets)} bucket "
+                "all-reduces, so they were never finalized. Fix: call dp.reset_iter_state() "
+                "on every rank first."
+            )
         if w is not None and w.sync:
             raise DataParallelError(
                 f"cannot run {what}: the previous synced backward launched its gradient "
@@ -188,7 +199,7 @@ class Reducer:
             )
         no_sync = token.no_sync if token is not None else False
         sync = self.require_sync and not no_sync
-        window = _Window(sync=sync, task_id=_autograd.current_graph_task_id())
+        window = _Window(sync=sync)
         self.window = window
         if _autograd.in_backward():
             _autograd.queue_callback(self.end_backward)
@@ -305,6 +316,7 @@ class Reducer:
             # A non-syncing backward is over: the next one re-reads the flags.
             self.window = None
             return
+        w.ended = True
         if self.manual:
             return
         try:
@@ -338,7 +350,7 @@ class Reducer:
                 )
         elif self.accumulating and self.require_sync and not in_bwd:
             # Deferred reduction: pay the owed all-reduce of the accumulated grads now.
-            w = _Window(sync=True, task_id=-1)
+            w = _Window(sync=True, deferred=True)
             w.pending = [0] * len(self.buckets)
             w.works = [None] * len(self.buckets)
             self.window = w
@@ -364,7 +376,7 @@ class Reducer:
         missing: list[str] = []
         if w.learning:
             self.expected_counts = {i: w.counts.get(i, 0) for i in range(len(self.params))}
-        elif not self.find_unused and w.task_id != -1:
+        elif not self.find_unused and not w.deferred:
             expected = self.expected_counts or {}
             for i, (name, _) in enumerate(self.params):
                 if w.counts.get(i, 0) < expected.get(i, 1):

@@ -6,6 +6,7 @@ See [Note: DP reduction windows] in ``_reducer.py`` for the state machine.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from cadence import _autograd
+from cadence._timing import refuse_inside_backward
 from cadence.comm import Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
 from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
@@ -225,11 +226,11 @@ class DataParallel(nn.Module):
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Backward launches reductions; the caller finalizes (see `finalize_backward`)."""
-        if _autograd.in_backward():
-            raise DataParallelError(
-                "set_manual_backward_finalization() cannot be called during backward; set it "
-                "before the forward whose backward it should govern."
-            )
+        refuse_inside_backward(
+            "set_manual_backward_finalization()",
+            "the end-of-backward callback reads the mode.",
+            DataParallelError,
+        )
         if not enabled and self._reducer.pending:
             raise DataParallelError(
                 "cannot turn manual finalization off while reductions are pending; call "
@@ -239,19 +240,26 @@ class DataParallel(nn.Module):
 
     @property
     def should_finalize_after_backward(self) -> bool:
-        """After forward: will the coming backward leave reductions for the caller to finalize?"""
-        return self._reducer.manual and self._will_sync()
+        """After forward: will the coming backward leave reductions for the caller to finalize?
 
-    def _will_sync(self) -> bool:
-        return self._reducer.require_sync and self._no_sync_depth == 0
+        True in manual mode when the backward will sync: the sync flag is on and the
+        forward did not run inside ``no_sync()``.
+        """
+        token = self._reducer.last_token
+        forward_no_sync = token is not None and token.no_sync
+        return self._reducer.manual and self._reducer.require_sync and not forward_no_sync
 
-    def set_requires_gradient_sync(self, enabled: bool) -> None:
-        """Whether backwards reduce. Read when each backward *starts*, not at forward."""
-        if _autograd.in_backward():
-            raise DataParallelError(
-                "set_requires_gradient_sync() cannot be called during backward: the sync "
-                "decision of a backward is taken when it starts."
-            )
+    def set_requires_gradient_sync(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether backwards reduce. Read when each backward *starts*, not at forward.
+
+        ``recurse`` is accepted for the shared verbs: DataParallel is one reduction
+        unit with nothing nested, so both values set the flag of the whole wrapper.
+        """
+        refuse_inside_backward(
+            "set_requires_gradient_sync()",
+            "the sync decision of a backward is taken when it starts.",
+            DataParallelError,
+        )
         self._reducer.require_sync = bool(enabled)
 
     @contextlib.contextmanager
@@ -270,15 +278,20 @@ class DataParallel(nn.Module):
         """Wait for the gradient all-reduces and write the averaged grads into ``.grad``.
 
         - After backward: launches any bucket not yet launched, then waits.
-        - Inside backward (e.g. a tensor hook): allowed once every bucket has launched.
+        - Inside backward (e.g. a tensor hook): allowed once every bucket has launched
+          (see [Note: finalize inside backward] in ``cadence/_timing.py``).
         - After ``no_sync`` accumulation with sync re-enabled: reduces the accumulated
           grads once (deferred reduction), no extra forward/backward needed.
-        - Nothing pending: a no-op returning None.
+        - Nothing pending: issues no collective.
 
-        With ``async_op=True`` returns a `ReductionHandle`; ``.grad`` is valid after
+        Blocking, returns None. With ``async_op=True`` returns a `ReductionHandle`
+        (already completed when nothing was pending); ``.grad`` is valid after
         ``handle.wait()``, which must happen before the next forward.
         """
-        return self._reducer.finalize(blocking=not async_op)
+        handle = self._reducer.finalize(blocking=not async_op)
+        if async_op and handle is None:
+            return ReductionHandle.completed("DataParallel gradients")
+        return handle
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Make ``optimizer.step()`` raise while reductions are pending (before it reads grads)."""
@@ -299,9 +312,19 @@ class DataParallel(nn.Module):
         self._reducer.comm_hook = (state, hook)
         self._reducer.wire_divide = False  # hooks get un-divided buckets (DDP contract)
 
-    def reset(self) -> None:
+    def reset_iter_state(self) -> None:
         """Drop window state after an exception in backward or finalize (call on every rank)."""
         self._reducer.reset()
+
+    def reset(self) -> None:
+        """Deprecated spelling of `reset_iter_state` (the name fully_shard shares)."""
+        warnings.warn(
+            "DataParallel.reset() is deprecated; call reset_iter_state(), the name every "
+            "cadence wrapper shares",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.reset_iter_state()
 
     # -- state ------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
+from cadence._timing import refuse_inside_backward
 from cadence.comm import EventLog, ReductionHandle
 from cadence.errors import CadenceValueError
 from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
@@ -52,10 +53,15 @@ class FullyShardedModule(nn.Module):
             return [self._cadence_unit]
         return [m._cadence_unit for m in self.modules() if isinstance(m, FullyShardedModule)]
 
-    # -- timing verbs (shared with DataParallel: cadence._timing.GradientTiming) --
+    # -- timing verbs: cadence.GradientTiming, see [Note: one set of timing verbs] --
 
     def set_requires_gradient_sync(self, enabled: bool, *, recurse: bool = True) -> None:
         """Whether post-backward reduce-scatters (True) or accumulates unsharded (False)."""
+        refuse_inside_backward(
+            "set_requires_gradient_sync()",
+            "a backward's sync decision holds for the whole backward.",
+            FullyShardError,
+        )
         for unit in self._units(recurse):
             unit.requires_gradient_sync = enabled
 
@@ -69,16 +75,20 @@ class FullyShardedModule(nn.Module):
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """Sticky: backward launches reductions; the caller completes them with finalize."""
-        if _autograd.in_backward():
-            raise FullyShardError(
-                "set_manual_backward_finalization() was called inside backward; the mode is "
-                "read when backward ends. Fix: set it before forward."
-            )
+        refuse_inside_backward(
+            "set_manual_backward_finalization()",
+            "the end-of-backward callback reads the mode.",
+            FullyShardError,
+        )
         self._runtime.manual_finalization = enabled
 
     @property
     def require_manual_backward_finalization(self) -> bool:
         return self._runtime.manual_finalization
+
+    @require_manual_backward_finalization.setter
+    def require_manual_backward_finalization(self, enabled: bool) -> None:
+        self.set_manual_backward_finalization(enabled)
 
     @property
     def should_finalize_after_backward(self) -> bool:
@@ -90,8 +100,11 @@ class FullyShardedModule(nn.Module):
         """Complete every pending reduction, following the current flags.
 
         Units in sync mode reduce what they accumulated in no-sync backwards; units
-        already reduced in a syncing backward are only waited. With ``async_op=True``
-        return a `ReductionHandle` whose ``wait()`` writes the sharded ``.grad``.
+        already reduced in a syncing backward are only waited. Blocking, returns None;
+        with ``async_op=True`` returns a `ReductionHandle` (already completed when
+        nothing was pending) whose ``wait()`` writes the sharded ``.grad``. Inside
+        backward: once every unit has launched its reduction (see
+        [Note: finalize inside backward] in ``cadence/_timing.py``).
         """
         return self._runtime.finalize_backward(async_op=async_op)
 
@@ -100,11 +113,14 @@ class FullyShardedModule(nn.Module):
 
         Pending means a handle not yet waited, or (manual mode) reduce-scatters a
         backward launched that no ``finalize_backward()`` has written into ``.grad``.
+        After a backward that raised, it raises until ``reset_iter_state()``.
         """
         runtime = self._runtime
 
         def _check(*_: Any) -> None:
             runtime.check_no_pending_handle("optimizer.step()")
+            if not _autograd.in_backward():  # inside, the backward is simply running
+                runtime.check_backward_finished("optimizer.step()")
             if runtime.inflight or runtime.retired:
                 raise FullyShardError(
                     "optimizer.step() while gradient reductions launched by backward have "

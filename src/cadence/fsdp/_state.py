@@ -295,19 +295,28 @@ class Runtime:
             pr.unit.write_sharded_grads(pr.rs_output)
             self.retired.pop(0)
 
-    def finalize_backward(self, *, async_op: bool) -> ReductionHandle | None:
-        if _autograd.in_backward():
+    def check_all_launched_in_backward(self) -> None:
+        """See [Note: finalize inside backward] in ``cadence/_timing.py``."""
+        expected = [u for u in self.forward_order if u.num_grad_params > 0]
+        launched = sum(u.post_backward_done for u in expected)
+        if launched < len(expected):
             raise FullyShardError(
-                "finalize_backward() was called inside backward (from a hook?). It waits for "
-                "the reductions that backward launches. Fix: call it after loss.backward() "
-                "returns, on the caller's thread."
+                f"finalize_backward() was called inside backward, but only {launched} of "
+                f"{len(expected)} units have launched their reductions. Fix: finalize from a "
+                "hook that runs after every unit's backward (e.g. on the input of the root "
+                "module), or after loss.backward() returns."
             )
+
+    def finalize_backward(self, *, async_op: bool) -> ReductionHandle | None:
         if self.handle is not None and not self.handle.done:
             raise FullyShardError(
                 "finalize_backward() called again: wait on the previous finalize_backward() "
                 "handle before finalizing backward again (handle.wait())."
             )
-        self.check_backward_finished("finalize_backward()")
+        if _autograd.in_backward():
+            self.check_all_launched_in_backward()
+        else:
+            self.check_backward_finished("finalize_backward()")
         # Follow the current flags: units whose sync flag is on now reduce what they
         # accumulated; units still in no-sync mode keep accumulating.
         for unit in reversed(self.units):
