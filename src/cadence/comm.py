@@ -4,15 +4,21 @@ Why one place:
 - torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in
   favour of ``all_gather_single`` / ``reduce_scatter_single``; names are resolved
   once here, with fallbacks for older releases.
-- ``ReduceOp.AVG`` is only trusted on NCCL. Older gloo builds ignored the op in
-  reduce-scatter (pytorch/pytorch#162338), so everywhere else AVG is SUM plus an
-  explicit divide when the work is waited.
+- Averaging has one implementation; see [Note: AVG is SUM plus a divide].
 - Every collective can be recorded in an opt-in `EventLog` (kind, bytes, group,
   issue time, wait start, wait end). Tests and benchmarks read it to prove
   counts, order and overlap, independently of the backend.
 
 `ReductionHandle` is the asynchronous-completion type shared by DataParallel,
 fully_shard and the pipeline runtime.
+
+[Note: AVG is SUM plus a divide]
+``ReduceOp.AVG`` is trusted only on NCCL. gloo gained AVG late, as SUM plus a
+division, and older gloo builds ignored the op in reduce-scatter altogether
+(pytorch/pytorch#162338), silently summing instead of averaging. Everywhere but
+NCCL, ``op="avg"`` is therefore issued as SUM and divided by the group size when
+the work is waited, so a result never depends on which release of which backend
+ran it.
 """
 
 from __future__ import annotations
@@ -332,7 +338,7 @@ class Comm:
         self.world_size = dist.get_world_size(self.group)
         self.backend = str(dist.get_backend(self.group))
         self.name = name or f"group{self.world_size}"
-        # Only NCCL's AVG is trusted; see the module docstring.
+        # See [Note: AVG is SUM plus a divide].
         self.native_avg = self.backend == "nccl"
 
     # -- helpers --------------------------------------------------------------

@@ -82,11 +82,11 @@ def _free_port() -> int:
 
 
 def _dumps(obj: Any) -> bytes:
-    # By value, so closures and lambdas reach the ranks (issue: pickler).
-    try:
-        from cadence.pickling import dumps
-    except ImportError:  # pragma: no cover - the pickler ships with cadence
-        return pickle.dumps(obj)
+    # By value, so closures, lambdas and functions of ``__main__`` reach the ranks, which
+    # cannot import them by name. Imported here: ``import cadence`` loads this module
+    # eagerly and must stay cheap.
+    from cadence.pickling import dumps
+
     return dumps(obj)
 
 

@@ -30,10 +30,6 @@ class Bucket:
     buffer: torch.Tensor  # 1-D, wire dtype
     views: list[torch.Tensor] = field(default_factory=list)  # per-param views into buffer
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
 
 def build_buckets(
     named_params: list[tuple[str, torch.nn.Parameter]],

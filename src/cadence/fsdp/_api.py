@@ -43,7 +43,7 @@ class MixedPrecisionPolicy:
     """Where no-sync accumulation happens: one unsharded buffer per unit in this dtype.
 
     Default: the reduce dtype. Choosing ``param_dtype`` instead avoids keeping an fp32
-    copy of every unsharded gradient (verl#7458) at the cost of bf16 accumulation.
+    copy of every unsharded gradient at the cost of bf16 accumulation.
     ``memory_stats()["accumulated_grad_bytes"]`` reports what it costs.
     """
 

@@ -312,8 +312,9 @@ def fully_shard(
         if u.state is not ShardedState.SHARDED:
             u.reshard()
         u.module._cadence_runtime = runtime  # type: ignore[assignment]
-        # None: nested units reshard, the root does not (backward would re-gather it at
-        # once, pytorch/pytorch#154704). An explicit value is honoured, as in FSDP2 2.13.
+        # None: nested units reshard, the root does not: its backward starts right where
+        # its forward ends, so resharding it would only re-gather the same parameters at
+        # once. An explicit value is honoured for the root too, as in FSDP2 2.13.
         arg = u.reshard_after_forward_arg
         u.reshard_after_forward = (u is not unit) if arg is None else arg
 

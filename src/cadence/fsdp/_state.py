@@ -4,7 +4,10 @@
 ``set_requires_gradient_sync`` / ``set_reshard_after_backward`` / the manual-finalization
 flag only set attributes. The post-backward hook reads a unit's flags when it runs, and
 ``finalize_backward`` reads them when it is called. Nothing ever overrides a flag
-temporarily (the objection raised against pytorch/pytorch#196640).
+temporarily: a finalize that forced sync on and restored it afterwards would reduce
+units the caller deliberately left accumulating, and its effect would depend on state
+the caller cannot see. Following the flags makes ``finalize_backward`` predictable:
+it reduces exactly what the current flags say is owed.
 
 [Note: one wait-and-cleanup path]
 The automatic end-of-backward callback and the public ``finalize_backward`` both end
@@ -17,6 +20,23 @@ units queued, and a retry completes each exactly once.
 Every rank issues collectives in program order: all-gathers in forward/pre-backward
 hook order (prefetch included), reduce-scatters in post-backward order, and the
 deferred reductions of ``finalize_backward`` in reverse registration order.
+
+[Note: bounded in-flight reductions]
+Each in-flight reduce-scatter keeps its (W, S) input alive until it is waited (gloo
+even clones it internally). Unbounded, one backward would hold an input per unit, the
+whole unsharded gradient of the model. ``max_inflight_reductions`` (default 1, as
+FSDP2) bounds them: issuing one more first waits the oldest, so each reduce-scatter
+still overlaps the next unit's backward for the price of one extra buffer. 0 waits
+each at once (no overlap, least memory).
+
+[Note: stale unsharded copies]
+``reshard_after_backward=False`` is honoured after a syncing reduction: the unit stays
+unsharded, as the flag says. Its unsharded parameters then predate the optimizer step
+that will apply these gradients, so the unit is marked stale and its next forward
+re-gathers the (updated) shards instead of computing with old values. Resharding
+regardless would be cheaper to reason about but would override a flag the caller set
+(see [Note: flags are read late]). In no-sync accumulation nothing is reduced, the
+optimizer does not step, and nothing goes stale.
 """
 
 from __future__ import annotations
@@ -49,7 +69,6 @@ class Runtime:
     def __init__(self, root: Unit, units: list[Unit], event_log: EventLog | None) -> None:
         self.root = root
         self.units = units  # registration (bottom-up) order
-        self.event_log = event_log
         for unit in units:
             unit.comm = Comm(unit.shard_group, event_log=event_log, name="dp_shard")
             if unit.replicate_group is not None:
@@ -229,7 +248,7 @@ class Runtime:
             unit.accumulate(grads)
 
     def issue_reduction(self, unit: Unit, rs_input: torch.Tensor) -> None:
-        # Bounded in-flight RS inputs (#186000): retire the oldest before issuing more.
+        # See [Note: bounded in-flight reductions]: retire the oldest before issuing more.
         while self.inflight and len(self.inflight) >= self.max_inflight_reductions:
             self.retire(self.inflight.popleft())
         assert unit.comm is not None
@@ -246,8 +265,7 @@ class Runtime:
         self.peak_inflight_reduce_bytes = max(
             self.peak_inflight_reduce_bytes, sum(pr.input_bytes for pr in self.inflight)
         )
-        # R4: a kept unsharded copy goes stale once the optimizer applies these grads;
-        # the next forward re-gathers it (reshard_after_backward=False is preserved).
+        # See [Note: stale unsharded copies].
         if unit.state is not ShardedState.SHARDED:
             unit.stale = True
 

@@ -131,7 +131,7 @@ class Unit:
         self._free_unsharded()
         self.state = ShardedState.SHARDED
         self.all_gather_state: AllGatherState | None = None
-        self.stale = False  # unsharded copy predates an optimizer step; see R4 in docs/fsdp.md
+        self.stale = False  # see [Note: stale unsharded copies] in _state.py
         # -- gradients --
         self.accumulated: torch.Tensor | None = None  # (W, S) accum dtype, no-sync accumulation
         self.post_backward_done = False
@@ -163,10 +163,6 @@ class Unit:
     @property
     def sharded_bytes(self) -> int:
         return self.flat_shard.numel() * self.flat_shard.element_size()
-
-    @property
-    def name(self) -> str:
-        return type(self.module).__name__
 
     # -- unshard / reshard ----------------------------------------------------
 
