@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cadence.testing import run_distributed
-from tests.dp import _bodies as B
+from tests.dp import bodies_misuse as B
 
 CASES = [
     "forward_pending",

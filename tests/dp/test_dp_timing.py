@@ -7,17 +7,17 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
-from tests.dp import _bodies as B
+from tests.dp.bodies_timing import ACCUMULATION, timing_suite
 
 
 @pytest.fixture(scope="module")
-def counts() -> list[dict[str, Any]]:
-    return run_distributed(B.counts, world_size=2)
+def suite() -> list[dict[str, Any]]:
+    return run_distributed(timing_suite, world_size=2)
 
 
-def test_implements_the_shared_timing_verbs(counts: list[dict[str, Any]]) -> None:
-    # The same protocol fully_shard implements; pipeline code relies on nothing else.
-    assert counts[0]["is_gradient_timing"]
+@pytest.fixture(scope="module")
+def counts(suite: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["counts"] for r in suite]
 
 
 def test_synced_step_issues_one_all_reduce_per_bucket(counts: list[dict[str, Any]]) -> None:
@@ -57,19 +57,16 @@ def test_find_unused_adds_one_used_map_all_reduce(counts: list[dict[str, Any]]) 
     assert r["unused_grad_none"], "a globally unused parameter must keep .grad=None (as DDP)"
 
 
-def test_unused_on_one_rank_matches_ddp_and_launch_order() -> None:
-    r = run_distributed(B.unused_on_one_rank, world_size=2)
+def test_unused_on_one_rank_matches_ddp_and_launch_order(suite: list[dict[str, Any]]) -> None:
+    r = [rank["unused_on_one_rank"] for rank in suite]
     assert r[0]["diff"] < 1e-7 and r[1]["diff"] < 1e-7
     assert r[1]["b_grad_set"] == 1.0  # used on rank 0, so rank 1 gets the average too
     assert r[0]["sig"] == r[1]["sig"]
 
 
-ACCUMULATION = ["no_sync", "setter", "deferred", "interleaved", "fwd_outside_bwd_inside"]
-
-
 @pytest.fixture(scope="module")
-def accumulation() -> dict[str, float]:
-    return run_distributed(B.accumulation_suite, ACCUMULATION, world_size=2)[0]
+def accumulation(suite: list[dict[str, Any]]) -> dict[str, float]:
+    return suite[0]["accumulation"]
 
 
 @pytest.mark.parametrize("kind", ACCUMULATION)
@@ -78,8 +75,8 @@ def test_accumulation_matches_reference(accumulation: dict[str, float], kind: st
 
 
 @pytest.fixture(scope="module")
-def reentrant() -> dict[str, Any]:
-    return run_distributed(B.reentrant, world_size=2)[0]
+def reentrant(suite: list[dict[str, Any]]) -> dict[str, Any]:
+    return suite[0]["reentrant"]
 
 
 def test_static_graph_handles_a_layer_checkpointed_twice(reentrant: dict[str, Any]) -> None:
@@ -98,14 +95,14 @@ def test_reentrant_checkpointed_head_finalizes_after_outer_backward(
     assert reentrant["ckpt_head_state"] == "idle"
 
 
-def test_parameters_and_buffers_broadcast_from_rank0() -> None:
-    for r in run_distributed(B.buffers_and_init, world_size=2):
+def test_parameters_and_buffers_broadcast_from_rank0(suite: list[dict[str, Any]]) -> None:
+    for r in (rank["buffers"] for rank in suite):
         assert r["init_diff"] == 0.0
         assert r["buffer_diff"] == 0.0
 
 
-def test_wire_dtypes_and_comm_hooks() -> None:
-    r = run_distributed(B.bf16_wire, world_size=2)[0]
+def test_wire_dtypes_and_comm_hooks(suite: list[dict[str, Any]]) -> None:
+    r = suite[0]["wire"]
     for name in ("reduce_dtype_bf16", "bf16_hook", "fp16_hook", "allreduce_hook"):
         assert r[name + "_dtype_ok"] == 1.0, name  # .grad keeps fp32
         assert r[name + "_count"] == 1.0, name  # counted through cadence.Comm

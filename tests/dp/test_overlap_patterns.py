@@ -1,4 +1,7 @@
-"""Both overlap patterns of pytorch/pytorch#196651, run from ``examples/`` at world 2.
+"""The two overlap patterns that motivate manual finalization, run from ``examples/``.
+
+(a) sparse work runs while the dense all-reduces are in flight, finalized after it;
+(b) the dense gradients are finalized and stepped from a hook inside backward. World 2.
 
 Only event order and values are asserted, never durations: the event log puts
 collectives and user marks on one clock per rank.
@@ -11,7 +14,7 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
-from tests.dp import _overlap_bodies as B
+from tests.dp import bodies_overlap as B
 
 
 @pytest.fixture(scope="module")

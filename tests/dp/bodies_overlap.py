@@ -16,16 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cadence.testing import max_abs_diff, named_grads, named_params
+from tests.dp.common import strip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import optimizer_in_backward as ex_b
 import overlap_sparse as ex_a
 
 STEPS = 3
-
-
-def _strip(d: dict[str, Any]) -> dict[str, Any]:
-    return {k.removeprefix("module."): v for k, v in d.items()}
 
 
 def _dense_grad(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -43,7 +40,7 @@ def pattern_a() -> dict[str, Any]:
         tr.step_overlapped(step)  # the example's own step
         # SGD does not touch .grad: these are the gradients the steps used.
         sparse_grad = _dense_grad(tr.bag.weight.grad)
-        dense_grads = _strip(named_grads(tr.dp))
+        dense_grads = strip(named_grads(tr.dp))
 
         start, end = tr.log.marks("sparse_start")[0], tr.log.marks("sparse_end")[0]
         dense = tr.log.collectives("all_reduce", group="dp")
@@ -65,7 +62,7 @@ def pattern_a() -> dict[str, Any]:
         )
         out["grad"] = max(out["grad"], grad_diff)
     out["param"] = max(
-        max_abs_diff(_strip(named_params(tr.dp)), named_params(mlp_ref)),
+        max_abs_diff(strip(named_params(tr.dp)), named_params(mlp_ref)),
         max_abs_diff(tr.bag.weight.detach(), bag_ref.weight.detach()),
     )
     return out
@@ -104,7 +101,7 @@ def pattern_b() -> dict[str, Any]:
         # Within the last step: the dense step mark precedes the end of backward.
         "mark_order": marks,
         "param": max(
-            max_abs_diff(_strip(named_params(tr.dp)), named_params(mlp_ref)),
+            max_abs_diff(strip(named_params(tr.dp)), named_params(mlp_ref)),
             max_abs_diff(tr.bag.weight.detach(), bag_ref.weight.detach()),
         ),
         "state_after": tr.dp.state.value,

@@ -1,0 +1,81 @@
+"""Rank bodies for parity: cadence against single-process training and torch DDP."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import cadence
+from cadence.testing import max_abs_diff, named_grads, named_params, run_subtests
+from tests.dp.common import global_batch, local, make_mlp, strip
+
+
+def parity(config: dict[str, Any]) -> dict[str, float]:
+    """Train 3 AdamW steps with cadence, the single-process reference and (optionally) torch DDP.
+
+    Returns the worst gradient / parameter differences against each oracle.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mode = config.get("mode", "auto")
+    dp_kwargs = dict(config.get("dp", {}))
+    model = make_mlp(config.get("seed", 0))
+    ref = copy.deepcopy(model)
+    dp = cadence.DataParallel(copy.deepcopy(model), **dp_kwargs)
+    if mode != "auto":
+        dp.require_manual_backward_finalization = True
+    opt = torch.optim.AdamW(dp.parameters(), lr=1e-2)
+    dp.register_optimizer(opt)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ddp = ddp_opt = None
+    if config.get("ddp", True):
+        ddp_kwargs = {
+            k: v
+            for k, v in dp_kwargs.items()
+            if k in ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters")
+        }
+        ddp = DDP(copy.deepcopy(model), **ddp_kwargs)
+        ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    out = {"grad_ref": 0.0, "grad_ddp": 0.0, "param_ref": 0.0, "param_ddp": 0.0}
+    for step in range(3):
+        x, y = global_batch(step, world)
+        xl, yl = local(x, rank, world), local(y, rank, world)
+
+        opt.zero_grad(set_to_none=config.get("set_to_none", True))
+        loss = F.mse_loss(dp(xl), yl)
+        loss.backward()
+        if mode == "manual":
+            dp.finalize_backward()
+        elif mode == "async":
+            handle = dp.finalize_backward(async_op=True)
+            assert handle is not None
+            torch.randn(64, 64) @ torch.randn(64, 64)  # independent work while in flight
+            handle.wait()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        g = strip(named_grads(dp))
+        gr = named_grads(ref)
+        out["grad_ref"] = max(out["grad_ref"], max_abs_diff(g, gr))
+        if ddp is not None:
+            ddp_opt.zero_grad()
+            F.mse_loss(ddp(xl), yl).backward()
+            out["grad_ddp"] = max(out["grad_ddp"], max_abs_diff(g, strip(named_grads(ddp))))
+            ddp_opt.step()
+        opt.step()
+        ref_opt.step()
+    p = strip(named_params(dp))
+    out["param_ref"] = max_abs_diff(p, named_params(ref))
+    if ddp is not None:
+        out["param_ddp"] = max_abs_diff(p, strip(named_params(ddp)))
+    out["num_buckets"] = float(dp.num_buckets)
+    return out
+
+
+def parity_suite(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Every named config in one launch; `run_subtests` names a failing one."""
+    results = run_subtests({"name": list(configs)}, lambda name: parity(configs[name]))
+    return {name: results[f"name={name!r}"] for name in configs}
