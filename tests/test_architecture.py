@@ -33,9 +33,7 @@ KNOWN_CYCLES: set[frozenset[str]] = {
 }
 KNOWN_LONG: set[str] = set()
 KNOWN_OUTSIDE_REFS: set[str] = {
-    "bench/bench_fsdp.py",
     "bench/bench_pipeline.py",
-    "docs/bench_dp.md",
     "docs/bench_pipeline.md",
     "docs/pickling.md",
     "docs/pipeline.md",
@@ -44,8 +42,6 @@ KNOWN_OUTSIDE_REFS: set[str] = {
     "src/cadence/pipeline/groups.py",
     "src/cadence/pipeline/runtime.py",
     "src/cadence/pipeline/stage.py",
-    "tests/fsdp/test_fsdp_parity.py",
-    "tests/fsdp/test_fsdp_semantics.py",
     "tests/pickling/test_behaviours.py",
     "tests/pipeline/test_parity_schedules.py",
     "tests/pipeline/test_schedule_sim.py",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fsdp_world4 import cuda_body
 
 from cadence.testing import run_distributed
+from tests.fsdp.bodies_world4 import cuda_body
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

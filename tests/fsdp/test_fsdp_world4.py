@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fsdp_world4 import dcp_load_body, dcp_save_body, hsdp_body
 
 from cadence.testing import run_distributed
+from tests.fsdp.bodies_world4 import dcp_load_body, dcp_save_body, hsdp_body
 
 TOL = 1e-6
 

@@ -8,7 +8,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsdp_helpers import (
+
+import cadence
+from cadence.testing import max_abs_diff, run_subtests
+from tests.fsdp.common import (
     apply_cadence,
     loss_fn,
     make_batches,
@@ -16,9 +19,6 @@ from fsdp_helpers import (
     make_mlp,
     reference_steps,
 )
-
-import cadence
-from cadence.testing import max_abs_diff
 
 __all__ = ["cuda_body", "dcp_load_body", "dcp_save_body", "hsdp_body"]
 
@@ -98,14 +98,16 @@ def hsdp_body(dcp_path: str, dcp_path_back: str) -> dict[str, Any]:
     nothing = lambda m, i, last: None  # noqa: E731
     nosync = lambda m, i, last: m.set_requires_gradient_sync(last)  # noqa: E731
     never = lambda m, i, last: m.set_requires_gradient_sync(False)  # noqa: E731
-    for name, before, fin in (
-        ("every", nothing, None),
-        ("nosync", nosync, None),
-        ("deferred_sync", never, "sync"),
-        ("deferred_async", never, "async"),
-        ("manual_sync_last", nosync, "async"),
-    ):
-        out[f"hsdp_{name}_parity"], out[f"hsdp_{name}_counts"] = _hsdp_run(pg, before, fin)
+    modes = {
+        "every": (nothing, None),
+        "nosync": (nosync, None),
+        "deferred_sync": (never, "sync"),
+        "deferred_async": (never, "async"),
+        "manual_sync_last": (nosync, "async"),
+    }
+    runs = run_subtests({"mode": list(modes)}, lambda mode: _hsdp_run(pg, *modes[mode]))
+    for name in modes:
+        out[f"hsdp_{name}_parity"], out[f"hsdp_{name}_counts"] = runs[f"mode={name!r}"]
     m = make_blocks()
     m = apply_cadence(m, m.units(), group=pg)
     out["hsdp_placements"] = str(m.head.weight.placements)
@@ -125,7 +127,7 @@ def cuda_body() -> dict[str, float]:
     """World 1 on NCCL: the stream/event path end to end (runs only where a GPU exists)."""
     import copy
 
-    from fsdp_helpers import full_params, train_steps
+    from tests.fsdp.common import full_params, train_steps
 
     device = torch.device("cuda", 0)
     batches = [b.to(device) for b in make_batches("blocks", 3, 8)]

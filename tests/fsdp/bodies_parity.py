@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fsdp_helpers import (
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import cadence
+from cadence.fsdp import fully_shard
+from cadence.testing import max_abs_diff, run_subtests
+from tests.fsdp.common import (
     TinyTransformer,
     apply_cadence,
     apply_torch,
@@ -25,12 +31,6 @@ from fsdp_helpers import (
     reference_steps,
     train_steps,
 )
-from torch import nn
-from torch.distributed.tensor import DTensor
-
-import cadence
-from cadence.fsdp import fully_shard
-from cadence.testing import max_abs_diff
 
 __all__ = ["parity_body"]
 
@@ -111,32 +111,39 @@ def _counts_by_mode(rank: int, world: int) -> dict[str, Any]:
             m.set_reshard_after_backward(last),
         ),
     }
-    for mode, before in modes.items():
+
+    def run(mode: str, impl: str) -> tuple[list[tuple[int, int]], float]:
+        before = modes[mode]
+        base = make_blocks()
+        log = cadence.EventLog()
+        if impl == "cadence":
+            model = apply_cadence(base, base.units(), unit_raf=True, event_log=log)
+        else:
+            model = apply_torch(base, base.units(), unit_raf=True)
+        per_micro: list[tuple[int, int]] = []
+        with _Counter() as counter:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            local = batches[0].chunk(world)[rank]
+            for i, mb in enumerate(local.chunk(2)):
+                last = i == 1
+                before(model, i, last)
+                if impl == "fsdp2":
+                    model.set_is_last_backward(last)
+                log.clear()
+                (loss_fn(model, mb) / 2).backward()
+                if impl == "cadence":
+                    per_micro.append((log.count("all_gather"), log.count("reduce_scatter")))
+                else:
+                    per_micro.append(counter.take())
+            opt.step()
+        return per_micro, max_abs_diff(full_params(model), ref)
+
+    runs = run_subtests({"mode": list(modes), "impl": ["cadence", "fsdp2"]}, run)
+    for mode in modes:
         for impl in ("cadence", "fsdp2"):
-            base = make_blocks()
-            log = cadence.EventLog()
-            if impl == "cadence":
-                model = apply_cadence(base, base.units(), unit_raf=True, event_log=log)
-            else:
-                model = apply_torch(base, base.units(), unit_raf=True)
-            per_micro: list[tuple[int, int]] = []
-            with _Counter() as counter:
-                opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-                local = batches[0].chunk(world)[rank]
-                for i, mb in enumerate(local.chunk(2)):
-                    last = i == 1
-                    before(model, i, last)
-                    if impl == "fsdp2":
-                        model.set_is_last_backward(last)
-                    log.clear()
-                    (loss_fn(model, mb) / 2).backward()
-                    if impl == "cadence":
-                        per_micro.append((log.count("all_gather"), log.count("reduce_scatter")))
-                    else:
-                        per_micro.append(counter.take())
-                opt.step()
-            out[f"{mode}_{impl}"] = per_micro
-            out[f"{mode}_{impl}_parity"] = max_abs_diff(full_params(model), ref)
+            out[f"{mode}_{impl}"], out[f"{mode}_{impl}_parity"] = runs[
+                f"mode={mode!r},impl={impl!r}"
+            ]
     return out
 
 

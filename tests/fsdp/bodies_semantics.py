@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fsdp_helpers import (
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import cadence
+from cadence.fsdp import FullyShardError, MixedPrecisionPolicy, fully_shard
+from cadence.testing import max_abs_diff, run_subtests
+from tests.fsdp.common import (
     Block,
     apply_cadence,
     full_params,
@@ -18,12 +24,6 @@ from fsdp_helpers import (
     reference_steps,
     train_steps,
 )
-from torch import nn
-from torch.distributed.tensor import DTensor
-
-import cadence
-from cadence.fsdp import FullyShardError, MixedPrecisionPolicy, fully_shard
-from cadence.testing import max_abs_diff
 
 __all__ = ["semantics_body"]
 
@@ -173,9 +173,6 @@ def _checks_prefetch(rank: int, world: int, out: dict[str, Any]) -> None:
     out["unshard_param_after_wait"] = type(block.lin.weight).__name__
     block.reshard()
     out["unshard_param_after_reshard"] = type(block.lin.weight).__name__
-    from cadence._timing import GradientTiming
-
-    out["is_gradient_timing"] = isinstance(m, GradientTiming)
     # Forward-only: raf=False root + raf=True blocks gather once per unit before forward.
     log.clear()
     with torch.no_grad():
@@ -183,16 +180,22 @@ def _checks_prefetch(rank: int, world: int, out: dict[str, Any]) -> None:
     out["forward_only_all_gathers"] = log.count("all_gather")
 
 
+def _bounded(rank: int, world: int, bound: int) -> tuple[int, int]:
+    """(peak reductions in flight, reduce-scatters) of one backward with ``bound``."""
+    log = cadence.EventLog()
+    m = _model(log)
+    m.set_max_inflight_reductions(bound)
+    m(_batch(rank, world)).pow(2).mean().backward()
+    return m.memory_stats()["peak_inflight_reductions"], log.count("reduce_scatter")
+
+
 def _checks_reduce(rank: int, world: int, out: dict[str, Any]) -> None:
     x = _batch(rank, world)
+    bounded = run_subtests({"bound": [1, 2]}, _bounded, rank, world)
     for bound in (1, 2):
-        log = cadence.EventLog()
-        m = _model(log)
-        m.set_max_inflight_reductions(bound)
-        m(x).pow(2).mean().backward()
-        stats = m.memory_stats()
-        out[f"peak_inflight_bound{bound}"] = stats["peak_inflight_reductions"]
-        out[f"rs_count_bound{bound}"] = log.count("reduce_scatter")
+        peak, rs = bounded[f"bound={bound}"]
+        out[f"peak_inflight_bound{bound}"] = peak
+        out[f"rs_count_bound{bound}"] = rs
     # Asynchronous: in manual mode, after backward the reductions are issued, not waited.
     log = cadence.EventLog()
     m = _model(log)
@@ -291,16 +294,18 @@ def _checks_modes(rank: int, world: int, out: dict[str, Any]) -> None:
         m.set_requires_gradient_sync(last)
         m.set_reshard_after_backward(False)
 
-    for name, before, fin in (
-        ("every", nothing, None),
-        ("nosync", nosync, None),
-        ("zero1", zero1, None),
-        ("deferred_sync", never, "sync"),
-        ("deferred_async", never, "async"),
-        ("manual_sync_last", nosync, "async"),
-        ("keep_unsharded", keep, "sync"),
-    ):
-        parity, counts, fin_rs = _micro_run(rank, world, before, fin)
+    modes = {
+        "every": (nothing, None),
+        "nosync": (nosync, None),
+        "zero1": (zero1, None),
+        "deferred_sync": (never, "sync"),
+        "deferred_async": (never, "async"),
+        "manual_sync_last": (nosync, "async"),
+        "keep_unsharded": (keep, "sync"),
+    }
+    runs = run_subtests({"mode": list(modes)}, lambda mode: _micro_run(rank, world, *modes[mode]))
+    for name in modes:
+        parity, counts, fin_rs = runs[f"mode={name!r}"]
         out[f"mode_{name}_parity"] = parity
         out[f"mode_{name}_counts"] = counts
         out[f"mode_{name}_finalize_rs"] = fin_rs
@@ -430,7 +435,7 @@ def _checks_state_dict(rank: int, world: int, out: dict[str, Any]) -> None:
     fresh.load_state_dict(m.state_dict())
     out["load_sharded_equal"] = max_abs_diff(fresh.full_state_dict(), ref_sd)
     # Tied parameters in one unit stay one object.
-    from fsdp_helpers import TinyTransformer
+    from tests.fsdp.common import TinyTransformer
 
     t = TinyTransformer()
     apply_cadence(t, t.units())
@@ -441,7 +446,7 @@ def _checks_state_dict(rank: int, world: int, out: dict[str, Any]) -> None:
 
 def Blocks_fresh() -> Any:
     torch.manual_seed(9)
-    from fsdp_helpers import Blocks
+    from tests.fsdp.common import Blocks
 
     return Blocks()
 
