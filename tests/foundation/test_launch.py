@@ -25,6 +25,7 @@ def test_a_raising_rank_stops_all_and_names_itself() -> None:
     with pytest.raises(cadence.LaunchError) as info:
         run_distributed(B.raise_on_rank1, world_size=2, timeout=120)
     err = info.value
+    assert isinstance(err, cadence.CadenceError)
     assert err.rank == 1
     assert "ValueError: boom from rank 1" in str(err)
     assert "raise_on_rank1" in err.remote_traceback  # the remote frame is shown
