@@ -14,6 +14,22 @@ import cadence
 from cadence.testing import max_abs_diff, named_grads, named_params, run_subtests
 from tests.dp.common import global_batch, local, make_mlp, strip
 
+# The world-2 parity configurations (other world sizes run a subset).
+CONFIGS = {
+    "auto": {},
+    "manual": {"mode": "manual"},
+    "async": {"mode": "async"},
+    "tiny_buckets": {"dp": {"bucket_cap_mb": 1e-5}},
+    "tiny_buckets_async": {"mode": "async", "dp": {"bucket_cap_mb": 1e-5}},
+    "one_huge_bucket": {"dp": {"bucket_cap_mb": 1000.0}},
+    "bucket_view": {"dp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001}},
+    "bucket_view_zero_grad": {
+        "dp": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001},
+        "set_to_none": False,
+    },
+    "find_unused_all_used": {"dp": {"find_unused_parameters": True, "bucket_cap_mb": 0.001}},
+}
+
 
 def parity(config: dict[str, Any]) -> dict[str, float]:
     """Train 3 AdamW steps with cadence, the single-process reference and (optionally) torch DDP.

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
-from cadence.testing import run_distributed
-from tests.dp import bodies_misuse as B
+import pytest
 
 CASES = [
     "forward_pending",
@@ -26,8 +25,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def misuse() -> list[dict[str, str]]:
-    return run_distributed(B.misuse, world_size=2)
+def misuse(world2: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [r["misuse"] for r in world2]
 
 
 @pytest.mark.parametrize("case", CASES)

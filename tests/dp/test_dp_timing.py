@@ -6,13 +6,12 @@ from typing import Any
 
 import pytest
 
-from cadence.testing import run_distributed
-from tests.dp.bodies_timing import ACCUMULATION, timing_suite
+from tests.dp.bodies_timing import ACCUMULATION
 
 
 @pytest.fixture(scope="module")
-def suite() -> list[dict[str, Any]]:
-    return run_distributed(timing_suite, world_size=2)
+def suite(world2: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["timing"] for r in world2]
 
 
 @pytest.fixture(scope="module")

@@ -46,10 +46,6 @@ def env_and_threads() -> dict[str, Any]:
         "local_rank": int(os.environ["LOCAL_RANK"]),
         "threads": torch.get_num_threads(),
         "backend": dist.get_backend(),
+        # cadence.init() after the launcher initialised: reuses the default group.
+        "init_world": cadence.init().world_size,
     }
-
-
-def init_twice() -> int:
-    # cadence.init() after the launcher initialised: reuses the default group.
-    pg = cadence.init()
-    return pg.world_size

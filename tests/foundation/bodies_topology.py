@@ -1,6 +1,6 @@
 """Rank bodies for the topology: its groups, and what ``group=`` means to the wrappers.
 
-`world4` runs both at world 4 in one launch. In `group_meaning`, each (wrapper, form) sub-case trains one step on a tiny MLP and returns the largest
+In `group_meaning`, each (wrapper, form) sub-case trains one step on a tiny MLP and returns the largest
 gradient difference against single-process training on the batches of exactly the
 ranks the wrapper reduced over, with the collectives it issued. A wrong group shows
 up as a wrong average, a wrong count or wrong placements.
@@ -22,7 +22,7 @@ import cadence
 from cadence.testing import max_abs_diff, run_subtests
 from cadence.topology import DataParallelLayout
 
-__all__ = ["FORMS", "WRAPPERS", "group_meaning", "topology_groups", "world4"]
+__all__ = ["FORMS", "WRAPPERS", "group_meaning", "topology_groups"]
 
 WRAPPERS = ["dp", "fsdp"]
 FORMS = ["none", "process_group", "parallel_groups", "mesh_1d", "mesh_2d"]
@@ -125,8 +125,3 @@ def topology_groups(pg: cadence.ParallelGroups) -> dict[str, Any]:
         dist.all_reduce(t, group=group)
         out[name] = (dist.get_world_size(group), float(t))
     return out
-
-
-def world4() -> dict[str, Any]:
-    pg = cadence.init(cadence.Topology(dp_replicate=2, dp_shard=2))
-    return {"groups": topology_groups(pg), "meaning": group_meaning(pg)}

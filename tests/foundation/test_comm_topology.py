@@ -7,39 +7,39 @@ from typing import Any
 import pytest
 
 import cadence
-from cadence.testing import run_distributed
-from tests.foundation import bodies_comm as B
 
 
 @pytest.fixture(scope="module")
-def world3() -> list[dict]:
-    return run_distributed(B.collectives, 3, world_size=3)
+def collectives(world3: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["collectives"] for r in world3]
 
 
-def test_reductions(world3: list[dict]) -> None:
-    for r in world3:
+def test_reductions(collectives: list[dict[str, Any]]) -> None:
+    for r in collectives:
         assert r["avg"] == [2.0] * 4  # (1 + 2 + 3) / 3, via SUM + divide on gloo
         assert r["sum"] == [6.0] * 4
         assert r["all_gather"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
         assert r["broadcast"] == [0.0] * 3
     # reduce-scatter of arange(6) from 3 ranks, averaged: rank r gets [2r, 2r+1].
-    assert [r["reduce_scatter_avg"] for r in world3] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    assert [r["reduce_scatter_avg"] for r in collectives] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
 
 
-def test_handle_wait_is_idempotent(world3: list[dict]) -> None:
-    r = world3[0]
+def test_handle_wait_is_idempotent(collectives: list[dict[str, Any]]) -> None:
+    r = collectives[0]
     assert r["on_complete_calls"] == 1
     assert r["handle_done"]
 
 
-def test_handle_retry_after_cleanup_exception_completes_once(world3: list[dict]) -> None:
-    r = world3[0]
+def test_handle_retry_after_cleanup_exception_completes_once(
+    collectives: list[dict[str, Any]],
+) -> None:
+    r = collectives[0]
     assert r["first_wait_raised"] and not r["done_after_failure"]
     assert r["attempts"] == 2
 
 
-def test_event_log_counts_order_and_bytes(world3: list[dict]) -> None:
-    r = world3[0]
+def test_event_log_counts_order_and_bytes(collectives: list[dict[str, Any]]) -> None:
+    r = collectives[0]
     assert r["counts"]["all_reduce"] == 4
     assert r["counts"]["all_gather"] == 1 and r["counts"]["reduce_scatter"] == 1
     assert r["counts"]["broadcast"] == 1
@@ -49,10 +49,10 @@ def test_event_log_counts_order_and_bytes(world3: list[dict]) -> None:
     assert r["bytes"] == 8 * 4
 
 
-def test_point_to_point_and_objects(world3: list[dict]) -> None:
-    assert world3[0]["p2p"] == [1.0] * 3
-    assert world3[1]["p2p"] == [0.0] * 3
-    assert world3[2]["objects"] == [{"r": 0}, {"r": 1}, {"r": 2}]
+def test_point_to_point_and_objects(collectives: list[dict[str, Any]]) -> None:
+    assert collectives[0]["p2p"] == [1.0] * 3
+    assert collectives[1]["p2p"] == [0.0] * 3
+    assert collectives[2]["objects"] == [{"r": 0}, {"r": 1}, {"r": 2}]
 
 
 def test_topology_validation_names_the_numbers() -> None:

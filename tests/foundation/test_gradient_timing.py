@@ -1,6 +1,6 @@
 """The timing verbs of `cadence.GradientTiming` mean the same on every wrapper.
 
-One world-2 launch runs the same body for DataParallel and for fully_shard; each
+One world-3 launch runs the same body for DataParallel and for fully_shard; each
 test below asserts one verb for both. See [Note: one set of timing verbs] and
 [Note: finalize inside backward] in ``cadence/_timing.py``.
 """
@@ -12,16 +12,14 @@ from typing import Any
 import pytest
 
 import cadence
-from cadence.testing import run_distributed
-from tests.foundation.bodies_timing import WRAPPERS, timing_verbs
+from tests.foundation.bodies_timing import WRAPPERS
 
 Results = dict[str, list[dict[str, Any]]]
 
 
 @pytest.fixture(scope="module")
-def results() -> Results:
-    ranks = run_distributed(timing_verbs, world_size=2, timeout=120)
-    return {w: [r[f"wrapper={w!r}"] for r in ranks] for w in WRAPPERS}
+def results(world3: list[dict[str, Any]]) -> Results:
+    return {w: [r["timing"][f"wrapper={w!r}"] for r in world3] for w in WRAPPERS}
 
 
 def test_gradient_timing_is_exported() -> None:

@@ -39,7 +39,6 @@ def _trained_mlp() -> Any:
 
 
 def dcp_save_body(path: str) -> list[float]:
-    m = apply_cadence(_trained_mlp(), _mlp_units(make_mlp()))
     m = _trained_mlp()
     m = apply_cadence(m, _mlp_units(m))
     dcp.save(m.state_dict(), checkpoint_id=path)

@@ -13,8 +13,8 @@ TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def ws2() -> dict[str, Any]:
-    return run_distributed(parity_body, world_size=2, timeout=120)[0]
+def ws2(world2: list[dict[str, Any]]) -> dict[str, Any]:
+    return world2[0]["parity"]
 
 
 @pytest.fixture(scope="module")

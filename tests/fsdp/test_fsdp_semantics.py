@@ -2,9 +2,9 @@
 
 Sharding, all-gather and prefetch, reduce-scatter, the accumulation modes, finalization,
 the handle, mixed precision, memory accounting and state dicts; every misuse raises a
-`FullyShardError` naming the fix. All checks run in one world-2 launch
-(``bodies_semantics.semantics_body``); each test asserts one entry, so a failing
-behaviour is named by its test.
+`FullyShardError` naming the fix. All checks run in one world-2 body
+(``bodies_semantics.semantics_body``, launched with the other world-2 bodies); each
+test asserts one entry, so a failing behaviour is named by its test.
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ from typing import Any
 
 import pytest
 
-from cadence.testing import run_distributed
-from tests.fsdp.bodies_semantics import semantics_body
-
 TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def r() -> dict[str, Any]:
-    ranks = run_distributed(semantics_body, world_size=2, timeout=150)
+def r(world2: list[dict[str, Any]]) -> dict[str, Any]:
+    ranks = [rank["semantics"] for rank in world2]
     assert ranks[0].keys() == ranks[1].keys()
     return ranks[0]
 

@@ -8,19 +8,18 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
-from tests.fsdp.bodies_world4 import dcp_load_body, dcp_save_body, hsdp_body
+from tests.fsdp.bodies_world4 import dcp_load_body, hsdp_body
 
 TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def w4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root: Path = tmp_path_factory.mktemp("dcp")
-    saved = run_distributed(dcp_save_body, str(root / "ws2"), world_size=2, timeout=90)[0]
+def w4(world2: list[dict[str, Any]], dcp_dir: Path) -> dict[str, Any]:
+    saved = world2[0]["dcp_saved"]  # the world-2 run saved to dcp_dir / "ws2"
     ranks = run_distributed(
-        hsdp_body, str(root / "ws2"), str(root / "ws4"), world_size=4, timeout=150
+        hsdp_body, str(dcp_dir / "ws2"), str(dcp_dir / "ws4"), world_size=4, timeout=150
     )
-    back = run_distributed(dcp_load_body, str(root / "ws4"), world_size=2, timeout=90)[0]
+    back = run_distributed(dcp_load_body, str(dcp_dir / "ws4"), world_size=2, timeout=90)[0]
     out = dict(ranks[0])
     out["dcp_ws2_saved"] = saved
     out["dcp_ws2_back"] = back
