@@ -146,12 +146,12 @@ class PipelineRuntime:
             event_log=event_log,
             local_error=local_error,
         )
+        # The per-action route, derived once from the placement (validate_lowered
+        # checked any channel an action states against it): the communicator of the
+        # action's channel and the peer's rank in it.
         comms = self.channel_groups.comms(event_log)
-        # The per-action route, derived once: channel -> (communicator, peer rank).
         self._route = {
-            a: comms[a.channel]  # type: ignore[index]
-            for a in self.actions
-            if a.kind in (K.SEND, K.RECV)
+            a: comms[self._channel(a)] for a in self.actions if a.kind in (K.SEND, K.RECV)
         }
         self._handlers: dict[ActionKind, Callable[[Action, int, _StepState], None]] = {
             K.F: self._forward,
@@ -200,6 +200,10 @@ class PipelineRuntime:
             "W writes weight gradients the wrapper never reduces. Use a schedule with full "
             "backwards (gpipe, 1f1b, interleaved, looped_bfs) for wrapped stages"
         )
+
+    def _channel(self, a: Action) -> tuple[int, int]:
+        src, dst = (a.peer_stage, a.stage) if a.kind is K.RECV else (a.stage, a.peer_stage)
+        return (self.placement[src], self.placement[dst])  # type: ignore[index]
 
     def _find_last_backwards(self) -> dict[int, int]:
         """Per local stage, the index of its last gradient-producing action (B or W)."""
