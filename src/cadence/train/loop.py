@@ -64,7 +64,8 @@ def train_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, reduce_loss:
     if state.runtime is not None:
         losses: list[torch.Tensor] = []
         state.runtime.step(x, target=y, losses=losses)
-        local = torch.stack(losses).mean().reshape(1) if losses else torch.zeros(1)
+        # Only the last stage's rank has losses; the others get theirs by broadcast.
+        local = state.runtime.policy.combine(losses).reshape(1) if losses else torch.zeros(1)
         state.optimizer.step()
         state.optimizer.zero_grad(set_to_none=True)
         loss = reduce_loss(local)
