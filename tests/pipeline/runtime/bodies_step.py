@@ -26,7 +26,7 @@ from cadence.pipeline.schedule import (
     lower,
     placement_for,
 )
-from cadence.testing import max_abs_diff, named_grads
+from cadence.testing import max_abs_diff, named_grads, run_subtests
 from tests.pipeline.runtime.bodies_groups import body_diverge
 
 
@@ -191,8 +191,7 @@ def error_report() -> tuple[str, int, str]:
 def body_runtime_world2() -> dict:
     """Everything above in one launch (a process start costs more than each check)."""
     return {
-        "interleaved": behaviour("interleaved", 2),
-        "zbv": behaviour("zbv", 2),
+        "behaviour": run_subtests({"name": ["interleaved", "zbv"]}, behaviour, v=2),
         "fifo_swap": fifo_swap_refused(),
         "diverge": diverge(),
         "diverge_channels": body_diverge(),

@@ -30,7 +30,7 @@ def results() -> list[dict]:
 @pytest.mark.parametrize("name", ["interleaved", "zbv"])
 def test_step_accumulate_eval_and_channels(results, name: str) -> None:
     for rank, res in enumerate(results):
-        out = res[name]
+        out = res["behaviour"][f"name={name!r}"]
         assert "does not split into" in out["uneven"] and "multiple of" in out["uneven"], out
         assert out["uneven"].startswith("PipelineUsageError")
         assert out["accum_grad_diff"] <= 1e-6, (name, out["accum_grad_diff"])

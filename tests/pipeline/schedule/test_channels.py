@@ -99,7 +99,7 @@ def test_plan_difference_is_described() -> None:
     b = channel_plan(lower(generate("zbv", 4, 8)))
     assert a.digest != b.digest
     text = describe_plan_difference(a, b, their_rank=2)
-    assert "placement differs at stages 4 (here rank 0, rank 2 rank 3)" in text
+    assert "placement differs at stages 4 (rank 0 here, rank 3 on rank 2)" in text
     assert "channels only here: 0->3, 3->0" in text
     assert describe_plan_difference(a, a) == ""
 

@@ -212,7 +212,8 @@ def describe_plan_difference(
         diffs.append(
             "placement differs at stages "
             + ", ".join(
-                f"{s} ({here} rank {_at(mine.placement, s)}, {who} rank {_at(theirs.placement, s)})"
+                f"{s} (rank {_at(mine.placement, s)} {here}, "
+                f"rank {_at(theirs.placement, s)} on {who})"
                 for s in stages
             )
         )
