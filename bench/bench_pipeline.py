@@ -5,7 +5,7 @@ Run (from the repo root):
     .venv/bin/python bench/bench_pipeline.py --world 2 --steps 10
     .venv/bin/python bench/bench_pipeline.py --world 4 --steps 6   # oversubscribed on 2 cores
 
-Method (design note §5.9, B2/B3):
+Method:
 - one process tree per world size; in it, each schedule builds a cadence runtime
   and a torch schedule over two identical copies of TinyGPT, and the two step
   *alternately* (cadence, torch, cadence, ...), so machine load hits both alike;
@@ -13,9 +13,10 @@ Method (design note §5.9, B2/B3):
 - step time = barrier-to-barrier wall time on rank 0; busy time per rank = time
   inside the compute handlers (cadence ``PipelineStage.forward/backward*``, torch
   ``forward_one_chunk/backward_one_chunk/backward_weight_one_chunk``);
-- measured bubble = 1 - sum(busy) / (world x step time), against theory
-  (design note §3.3) and, when the schedule layer's simulator is importable, its
-  prediction at equal durations;
+- measured bubble = 1 - sum(busy) / (world x step time), against theory (p ranks,
+  m microbatches, v chunks: GPipe and 1F1B (p-1)/(m+p-1), interleaved
+  (p-1)/(vm+p-1), ZBV 0 within each rank's span) and the schedule layer's
+  simulator at equal F = I = W durations;
 - the ratio reported is cadence / torch per pair: min / median / max;
 - the 1-minute load average is recorded, and flagged when above the core count.
 """
@@ -47,13 +48,11 @@ def theory_bubble(name: str, p: int, m: int, v: int) -> float:
     return float("nan")
 
 
-def _sim_bubble(name: str, p: int, m: int, v: int) -> float | None:
-    try:  # the schedule layer's simulator, at equal durations, if it has landed
-        from cadence.pipeline import _cadence_ir
+def sim_bubble(name: str, p: int, m: int, v: int) -> float:
+    """The simulator's bubble (idle / (p x makespan)) at equal F = I = W durations."""
+    from cadence.pipeline.schedule import generate, lower, simulate
 
-        return _cadence_ir.simulated_bubble(name, p, v, m)
-    except Exception:
-        return None
+    return simulate(lower(generate(name, p, m, v))).bubble
 
 
 class _Busy:
@@ -86,7 +85,8 @@ def body(args: dict) -> list[dict]:
     from torch.distributed.pipelining import schedules as ts
 
     from cadence.comm import Comm
-    from cadence.pipeline._build import build_pipeline, placement_for, torch_schedule_name
+    from cadence.pipeline.runtime import build_pipeline
+    from cadence.pipeline.schedule import placement_for, torch_schedule_name
 
     rank, p = dist.get_rank(), dist.get_world_size()
     world = Comm(None, name="bench")
@@ -164,7 +164,7 @@ def body(args: dict) -> list[dict]:
             row["ratio_median"] = statistics.median(ratios)
             row["ratio_max"] = max(ratios)
             row["theory_bubble"] = theory_bubble(name, p, m, v)
-            row["sim_bubble"] = _sim_bubble(name, p, m, v)
+            row["sim_bubble"] = sim_bubble(name, p, m, v)
             rows.append(row)
         world.barrier()
     return rows
@@ -211,7 +211,7 @@ def main() -> None:
     head = "schedule      cadence ms  torch ms  ratio min/med/max     bubble c / t / sim / theory"
     print(head)
     for r in rows:
-        sim = "-" if r["sim_bubble"] is None else f"{r['sim_bubble']:.3f}"
+        sim = f"{r['sim_bubble']:.3f}"
         print(
             f"{r['schedule'] + ' v=' + str(r['v']):13s} {r['cadence_median_ms']:9.1f} "
             f"{r['torch_median_ms']:9.1f}  {r['ratio_min']:.3f}/{r['ratio_median']:.3f}/"

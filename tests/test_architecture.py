@@ -24,28 +24,13 @@ MAX_LINES = 600
 
 KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset(
-        {"cadence", "cadence.pipeline", "cadence.pipeline._build", "cadence.pipeline.runtime"}
-    ),
-    frozenset(
         {"cadence.pickling._paths", "cadence.pickling._pickler", "cadence.pickling._reducers"}
     ),
-    frozenset({"cadence.pipeline.passes", "cadence.pipeline.sim"}),
 }
 KNOWN_LONG: set[str] = set()
 KNOWN_OUTSIDE_REFS: set[str] = {
-    "bench/bench_pipeline.py",
-    "docs/bench_pipeline.md",
     "docs/pickling.md",
-    "docs/pipeline.md",
-    "src/cadence/pipeline/_build.py",
-    "src/cadence/pipeline/generators.py",
-    "src/cadence/pipeline/groups.py",
-    "src/cadence/pipeline/runtime.py",
-    "src/cadence/pipeline/stage.py",
     "tests/pickling/test_behaviours.py",
-    "tests/pipeline/test_parity_schedules.py",
-    "tests/pipeline/test_schedule_sim.py",
-    "tests/pipeline/test_schedule_validation.py",
 }
 
 _OUTSIDE_REF = re.compile(

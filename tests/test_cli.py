@@ -1,4 +1,9 @@
-"""`cadence train` end to end: the loss falls, and the run folder has metrics.json."""
+"""`cadence train` end to end: the loss falls, and the run folder has metrics.json.
+
+(The composition of DP, FSDP and PP under the one loop: tests/train/test_loop.py.
+The flag rules: tests/train/test_config.py. ``cadence schedule show``:
+tests/pipeline/schedule/test_show.py.)
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from cadence.cli import main
-from cadence.train import TrainConfig
+from cadence.cli import build_parser, main
+from cadence.train.config import TrainConfigError
 
 
 @pytest.mark.parametrize(
     "flags",
-    [
-        ["--finalize", "auto"],
-        ["--finalize", "manual"],
-        ["--fsdp", "--mixed-precision", "bf16"],
-        ["--pp", "2", "--schedule", "interleaved"],
-    ],
-    ids=["dp-auto", "dp-manual", "fsdp-bf16", "pp2-interleaved"],
+    [["--finalize", "auto"], ["--pp", "2", "--schedule", "interleaved"]],
+    ids=["dp-auto", "pp2-interleaved"],
 )
-def test_train_loss_falls(tmp_path: Path, flags: list[str]) -> None:
+def test_train_loss_falls(tmp_path: Path, flags: list[str], capsys) -> None:
     run = tmp_path / "run"
     assert main(["train", "--steps", "30", "--nproc", "2", "--run-dir", str(run), *flags]) == 0
     metrics = json.loads((run / "metrics.json").read_text())
@@ -31,20 +31,29 @@ def test_train_loss_falls(tmp_path: Path, flags: list[str]) -> None:
     assert losses[0] > 3.5
     assert losses[-1] < 2.0
     assert metrics["summary"]["world_size"] == 2
+    assert metrics["config"]["steps"] == 30
+    table = capsys.readouterr().out
+    assert "last loss" in table and str(run) in table
+    if "--pp" in flags:
+        assert metrics["summary"]["mode"] == "pipeline"
+        assert metrics["pipeline"]["schedule"] == "interleaved"
+        assert metrics["pipeline"]["chunks"] == 2 and metrics["pipeline"]["wrapper"] == "none"
+        assert "n/a" in table  # no replicas: no reductions to split into exposed/hidden
+    else:
+        assert metrics["summary"]["mode"] == "DataParallel"
+        assert metrics["collectives_rank0"]["all_reduce"] > 0
 
 
-def test_manual_and_auto_finalization_train_identically(tmp_path: Path) -> None:
-    runs = {}
-    for mode in ("auto", "manual"):
-        main(["train", "--steps", "5", "--finalize", mode, "--run-dir", str(tmp_path / mode)])
-        runs[mode] = json.loads((tmp_path / mode / "metrics.json").read_text())["losses"]
-    assert runs["auto"] == runs["manual"]
+def test_bad_flags_raise_clear_errors_before_launch() -> None:
+    with pytest.raises(TrainConfigError, match="--mixed-precision needs --fsdp"):
+        main(["train", "--mixed-precision", "bf16"])
+    with pytest.raises(TrainConfigError, match="--schedule need --pp > 1"):
+        main(["train", "--schedule", "zbv"])
+    with pytest.raises(SystemExit):
+        main(["train", "--finalize", "later"])  # argparse names the choices
 
 
-def test_bad_flags_raise_clear_errors() -> None:
-    with pytest.raises(ValueError, match="--mixed-precision needs --fsdp"):
-        TrainConfig(mixed_precision="bf16")
-    with pytest.raises(ValueError, match="divisible"):
-        TrainConfig(batch_size=33, nproc=2)
-    with pytest.raises(ValueError, match="--finalize"):
-        TrainConfig(finalize="later")
+def test_parser_defaults_are_the_config_defaults() -> None:
+    args = build_parser().parse_args(["train"])
+    assert (args.steps, args.batch_size, args.pp, args.schedule) == (150, 32, 1, "")
+    assert args.bucket_cap_mb is None and args.layers == 4

@@ -1,6 +1,26 @@
-"""The embedded model and data behind `cadence train` (nothing is downloaded)."""
+"""The embedded model and data behind `cadence train` (nothing is downloaded).
 
-from cadence.models.data import MarkovTokens
-from cadence.models.gpt import GPTConfig, TinyGPT
+Names are imported on first use, so `GPTConfig` (``cadence.models.config``) can be
+read without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cadence._lazy import lazy_getattr
+
+_LAZY = {
+    "GPTConfig": "cadence.models.config:GPTConfig",
+    "MarkovTokens": "cadence.models.data:MarkovTokens",
+    "TinyGPT": "cadence.models.gpt:TinyGPT",
+}
+
+__getattr__ = lazy_getattr("cadence.models", _LAZY, globals())
+
+if TYPE_CHECKING:  # static tools see the eager imports
+    from cadence.models.config import GPTConfig
+    from cadence.models.data import MarkovTokens
+    from cadence.models.gpt import TinyGPT
 
 __all__ = ["GPTConfig", "MarkovTokens", "TinyGPT"]

@@ -5,35 +5,13 @@ Shape legend: B batch, T sequence, D model width, H heads, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadence.errors import CadenceValueError
+from cadence.models.config import GPTConfig
 
 __all__ = ["Block", "Embedding", "GPTConfig", "Head", "TinyGPT"]
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 64
-    seq_len: int = 32
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 4
-    mlp_ratio: int = 4
-    tie_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads:
-            raise CadenceValueError(
-                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
-            )
-        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
-            if getattr(self, name) < 1:
-                raise CadenceValueError(f"GPTConfig.{name} must be >= 1")
 
 
 class Embedding(nn.Module):
@@ -110,13 +88,13 @@ class TinyGPT(nn.Module):
         chunk and the head with the last. The chunks share this model's parameters.
         """
         if self.cfg.tie_embeddings and num_stages > 1:
-            raise CadenceValueError(
+            raise ValueError(
                 "tied embeddings cannot be split across pipeline stages; "
                 "build the model with GPTConfig(tie_embeddings=False)"
             )
         n = len(self.blocks)
         if not 1 <= num_stages <= n:
-            raise CadenceValueError(f"num_stages={num_stages} must be between 1 and n_layers={n}")
+            raise ValueError(f"num_stages={num_stages} must be between 1 and n_layers={n}")
         bounds = [round(i * n / num_stages) for i in range(num_stages + 1)]
         stages = []
         for s in range(num_stages):

@@ -1,0 +1,185 @@
+"""From a schedule name (or a cadence ``Schedule``) and stage modules to a runtime.
+
+``build_pipeline`` is the one-call entry point: generate the schedule with the
+schedule layer's generator, lower it (SEND/RECV with per-channel sequence
+numbers, LOCAL hand-offs, REDUCE_GRAD/WAIT_REDUCE_GRAD) and hand the lowered
+`Schedule` to `PipelineRuntime`, which verifies it with the simulator, votes on
+its plan digest and runs it. What runs is exactly the generated IR; no schedule
+is re-implemented here.
+
+``source="torch"`` instead takes torch pipelining's own lowered lists for the same
+schedule (``get_schedule_ops(..., with_comms=True)``), parses them into the cadence
+IR (`Schedule.from_lists` reads torch's action strings; `complete_comms` adds the
+channels, sequence numbers and LOCAL hand-offs torch leaves implicit) and runs
+that under the same gate and executor: an interop path and a like-for-like
+benchmark baseline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cadence.comm import EventLog
+from cadence.pipeline.runtime.errors import PipelineUsageError
+from cadence.pipeline.runtime.executor import PipelineRuntime
+from cadence.pipeline.runtime.groups import ChannelMode
+from cadence.pipeline.runtime.stage import PipelineStage, TensorMeta
+from cadence.pipeline.schedule.generators import (
+    canonical_name,
+    generate,
+    placement_for,
+    torch_schedule_name,
+)
+from cadence.pipeline.schedule.ir import Schedule
+from cadence.pipeline.schedule.passes import complete_comms, lower
+from cadence.topology import ParallelGroups
+
+__all__ = ["build_pipeline", "torch_lowered_schedule"]
+
+
+def build_pipeline(
+    schedule: str | Schedule,
+    stage_modules: Sequence[nn.Module] | Mapping[int, nn.Module],
+    *,
+    n_microbatches: int | None = None,
+    chunks: int | None = None,
+    groups: ParallelGroups | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    loss_reduction: str = "mean",
+    event_log: EventLog | None = None,
+    channel_mode: ChannelMode = "per_directed_edge",
+    input_meta: Mapping[int, TensorMeta | Sequence[TensorMeta]] | None = None,
+    source: Literal["cadence", "torch"] = "cadence",
+    device: torch.device | str | None = None,
+) -> PipelineRuntime:
+    """Build this rank's pipeline runtime. Collective over the world (channel groups).
+
+    Args:
+        schedule: a generator name (``SCHEDULE_NAMES`` or an alias), or a cadence
+            ``Schedule`` (compute-only or lowered).
+        stage_modules: every stage's module in stage order (each rank keeps its own),
+            or ``{stage: module}`` with only this rank's stages.
+        n_microbatches: microbatches per step; required with a name. With a
+            ``Schedule`` it may be omitted, and must equal the schedule's if given.
+        chunks: stages per rank (v); default 1 with a name. With a ``Schedule`` it
+            may be omitted, and must equal the schedule's if given.
+        groups: ``cadence.init(...)``'s result; default: the world is one pipeline.
+        loss_fn, loss_reduction, event_log, channel_mode: see `PipelineRuntime`.
+        input_meta: static per-stage input metadata; default inferred at step 1.
+        source: ``"cadence"`` (the schedule layer's IR) or ``"torch"`` (torch's
+            lowered IR for the same schedule name, parsed into cadence's).
+        device: where stages run; default ``groups.device`` (CPU without groups).
+    """
+    pp_ranks = list(groups.pp_ranks) if groups is not None else list(range(dist.get_world_size()))
+    pp = len(pp_ranks)
+    low = _lowered(schedule, pp, n_microbatches, chunks, source)
+    mine = low.stages_of(pp_ranks.index(dist.get_rank()))
+    if device is not None:
+        dev = torch.device(device)
+    else:
+        dev = groups.device if groups is not None else torch.device("cpu")
+    if isinstance(stage_modules, Mapping):
+        modules = dict(stage_modules)
+        missing = [s for s in mine if s not in modules]
+        if missing:
+            raise PipelineUsageError(
+                f"stage_modules has no module for stages {missing}, which the schedule "
+                f"places on this rank (it places {list(mine)} here)"
+            )
+    else:
+        if len(stage_modules) != low.num_stages:
+            raise PipelineUsageError(
+                f"got {len(stage_modules)} stage modules, the schedule has "
+                f"{low.num_stages} stages ({pp} ranks x {low.num_stages // pp} chunks)"
+            )
+        modules = {s: stage_modules[s] for s in mine}
+    unknown = sorted(set(input_meta or {}) - set(range(low.num_stages)))
+    if unknown:
+        raise PipelineUsageError(
+            f"input_meta names stages {unknown}, the schedule has 0..{low.num_stages - 1}"
+        )
+    stages = [
+        PipelineStage(
+            modules[s], s, low.num_stages, device=dev, input_meta=(input_meta or {}).get(s)
+        )
+        for s in mine
+    ]
+    return PipelineRuntime(
+        low,
+        stages,
+        loss_fn=loss_fn,
+        groups=groups,
+        loss_reduction=loss_reduction,
+        channel_mode=channel_mode,
+        event_log=event_log,
+    )
+
+
+def _lowered(
+    schedule: str | Schedule,
+    pp: int,
+    n_microbatches: int | None,
+    chunks: int | None,
+    source: str,
+) -> Schedule:
+    """The lowered schedule to run, after checking every argument against it."""
+    if source not in ("cadence", "torch"):
+        raise PipelineUsageError(f"source={source!r}; use 'cadence' or 'torch'")
+    if isinstance(schedule, str):
+        if n_microbatches is None:
+            raise PipelineUsageError("build_pipeline(name, ...) needs n_microbatches=")
+        v = 1 if chunks is None else chunks
+        if source == "torch":
+            return torch_lowered_schedule(schedule, pp, n_microbatches, v)
+        return lower(generate(canonical_name(schedule), pp, n_microbatches, v))
+    if not isinstance(schedule, Schedule):
+        raise PipelineUsageError(
+            f"schedule must be a name or a cadence Schedule, got {type(schedule).__name__}"
+        )
+    if source != "cadence":
+        raise PipelineUsageError(
+            "source='torch' selects torch's IR for a schedule *name*; a Schedule is "
+            "already cadence IR (for torch's lowered lists use Schedule.from_lists and "
+            "complete_comms)"
+        )
+    v = schedule.num_stages // max(1, schedule.num_ranks)
+    if n_microbatches is not None and n_microbatches != schedule.meta.m:
+        raise PipelineUsageError(
+            f"n_microbatches={n_microbatches} but the schedule has {schedule.meta.m} "
+            "microbatches; omit n_microbatches or pass the schedule's"
+        )
+    if chunks is not None and chunks != v:
+        raise PipelineUsageError(
+            f"chunks={chunks} but the schedule has {v} stages per rank; omit chunks "
+            "or pass the schedule's"
+        )
+    return schedule if schedule.meta.lowered else lower(schedule)
+
+
+def torch_lowered_schedule(name: str, pp: int, n_microbatches: int, chunks: int) -> Schedule:
+    """torch pipelining's lowered IR for a named schedule, as a lowered cadence `Schedule`.
+
+    Only multi-stage schedules have one: torch runs GPipe and 1F1B as hand-written
+    loops, and the IR it keeps beside them is a picture, not what runs (see [Note:
+    the generated IR is what runs] in ``schedule/generators.py``).
+    """
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    key = canonical_name(name)
+    if key in ("gpipe", "1f1b"):
+        raise PipelineUsageError(
+            f"source='torch' has no executable IR for {name}: torch runs it as a "
+            "hand-written loop. Use source='cadence'."
+        )
+    placement = placement_for(key, pp, chunks)
+    ops = get_schedule_ops(torch_schedule_name(key), pp, n_microbatches, chunks, with_comms=True)
+    rows = {r: [str(a) for a in ops[r] if a is not None] for r in range(pp)}
+    sched = Schedule.from_lists(
+        rows, placement, generator=f"torch:{key}", v=chunks, m=n_microbatches, lowered=True
+    )
+    return complete_comms(sched)

@@ -1,0 +1,488 @@
+"""The pipeline executor: runs this rank's lowered `Action` list, one handler per kind.
+
+What it does, in order:
+1. At construction: the lowered schedule must pass the simulator's `verify` (the
+   runtime refuses one that does not, on every rank alike, before any
+   communication); every rank votes on the one plan digest (`ChannelPlan.digest`)
+   and creates its channel groups (``groups.py``), preconnected, before any step.
+2. ``step(*inputs, target=..., losses=...)``: split into microbatches (an uneven
+   batch raises here, before any communication), infer stage metadata on the
+   first step if it was not given, then execute this rank's actions in order.
+3. SEND/RECV go through ``cadence.Comm(channel group).isend/irecv``; LOCAL hands a
+   tensor to another stage on the same rank without any P2P (the V turn).
+4. On an error the rank's lowered schedule is raised with the failing action
+   marked (``<-- ERROR HERE``), with its channel and sequence number.
+
+Sends are waited at their WAIT_SEND or at the end of the step (their buffers are
+kept alive until then); receives are waited just before the compute that
+consumes them.
+
+[Note: the executor trusts the verified lists]
+The runtime executes exactly the action lists that `verify` accepted, so the
+properties the simulator proves are not re-checked per action: every RECV has its
+SEND and is consumed, every compute finds its input in an earlier RECV or LOCAL,
+and on each channel the i-th send meets the i-th receive (the sequence numbers
+agree with program order). A forward-only run (`PipelineRuntime.eval`) drops every
+gradient transfer on both ends of each channel, which keeps the remaining
+activation transfers in the same relative order, so the FIFO pairing still holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cadence.comm import Comm, CommWork, EventLog
+from cadence.pipeline.runtime.errors import (
+    PipelineRuntimeError,
+    PipelineStateError,
+    PipelineUsageError,
+)
+from cadence.pipeline.runtime.grad_sync import StageGradSync
+from cadence.pipeline.runtime.groups import ChannelMode, build_channel_groups
+from cadence.pipeline.runtime.microbatch import (
+    LossPolicy,
+    merge_microbatches,
+    split_microbatches,
+)
+from cadence.pipeline.runtime.stage import PipelineStage, TensorMeta
+from cadence.pipeline.schedule.channels import RUNTIME_CHANNEL_MODES, channel_plan
+from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
+from cadence.pipeline.schedule.sim import verify
+from cadence.topology import ParallelGroups
+
+__all__ = ["PipelineRuntime", "PipelineRuntimeError"]
+
+K = ActionKind
+# Kinds a forward-only step keeps (transfers are kept when they carry activations).
+_FORWARD_KINDS = frozenset({K.F, K.UNSHARD, K.RESHARD})
+_TRANSFERS = frozenset({K.SEND, K.RECV, K.LOCAL})
+Tensors = tuple[torch.Tensor, ...]
+
+
+class PipelineRuntime:
+    """Execute a lowered pipeline schedule on this rank. Collective over the world.
+
+    Usually built by `build_pipeline` (``build.py``) from a schedule name; this
+    constructor takes a lowered `Schedule` (``lower(generate(...))``, a JSON/CSV
+    file, or torch's lowered lists through ``complete_comms``).
+
+    Args:
+        schedule: the lowered schedule of *every* rank (the plan is global).
+        stages: this rank's `PipelineStage` objects, exactly the stages the
+            schedule's placement gives this rank.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
+        groups: ``cadence.init(...)``'s result; its pp group is the pipeline.
+            Default: the whole world is one pipeline.
+        loss_reduction: ``"mean"`` (default, equal to one process on the full batch)
+            or ``"sum"``; see `LossPolicy`.
+        channel_mode: ``"per_directed_edge"`` (default) or ``"shared"``.
+        event_log: records every P2P with its channel (``event.group == "pp0->1"``)
+            and every LOCAL hand-off as a mark named ``"pp_local"``.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: Sequence[PipelineStage],
+        *,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        groups: ParallelGroups | None = None,
+        loss_reduction: str = "mean",
+        channel_mode: ChannelMode = "per_directed_edge",
+        event_log: EventLog | None = None,
+    ) -> None:
+        if not isinstance(schedule, Schedule):
+            raise PipelineUsageError(
+                f"PipelineRuntime takes a lowered cadence Schedule, got {type(schedule).__name__}; "
+                "build one with Schedule.from_lists(actions, placement) and lower() it, or "
+                "use build_pipeline(name, ...)"
+            )
+        if channel_mode not in RUNTIME_CHANNEL_MODES:
+            raise PipelineUsageError(
+                f"channel_mode={channel_mode!r}; the runtime creates communicators for "
+                f"{RUNTIME_CHANNEL_MODES} (the simulator also models 'per_direction')"
+            )
+        pp_ranks = (
+            tuple(groups.pp_ranks) if groups is not None else tuple(range(dist.get_world_size()))
+        )
+        if schedule.num_ranks != len(pp_ranks):
+            raise PipelineUsageError(
+                f"the schedule has {schedule.num_ranks} pipeline ranks but the pp group has "
+                f"{len(pp_ranks)} ({list(pp_ranks)}); generate it for pp={len(pp_ranks)}"
+            )
+        # The gate: every rank verifies the same global schedule, so a bad one
+        # raises on every rank here, before any process group exists.
+        verify(schedule, mode=channel_mode)
+        self.schedule = schedule
+        self.plan = channel_plan(schedule, channel_mode)
+        self.placement = schedule.placement
+        self.num_stages = schedule.num_stages
+        self.n_microbatches = schedule.meta.m
+        self.loss_fn = loss_fn
+        self.policy = LossPolicy(loss_reduction)  # type: ignore[arg-type]
+        self.event_log = event_log
+        self.pp_ranks = pp_ranks
+        self.pp_rank = pp_ranks.index(dist.get_rank())
+        self.stages = {st.stage_index: st for st in stages}
+        self.actions: tuple[Action, ...] = schedule.ranks[self.pp_rank]
+        # A local misuse is voted on with the plan (groups.py) rather than raised
+        # here, so that the other ranks fail with it instead of hanging.
+        self._sync = {s: StageGradSync(st.module) for s, st in self.stages.items()}
+        local_error = self._stage_mismatch() or self._split_backward_on_wrapped_stage()
+        self._last_backward = self._find_last_backwards()
+        self._forward_actions = tuple(
+            x for a in self.actions for x in (a.sub or (a,)) if _forward_only(x)
+        )
+        self._pp_comm = Comm(groups.pp if groups is not None else None, name="pp")
+        # Collective over the world; raises PlanMismatchError before any group exists.
+        self.channel_groups = build_channel_groups(
+            self.plan,
+            pp_ranks=pp_ranks,
+            pp_group=groups.pp if groups is not None else None,
+            event_log=event_log,
+            local_error=local_error,
+        )
+        # The per-action route, derived once from the placement (validate_lowered
+        # checked any channel an action states against it): the communicator of the
+        # action's channel and the peer's rank in it.
+        comms = self.channel_groups.comms(event_log)
+        self._route = {
+            a: comms[self._channel(a)] for a in self.actions if a.kind in (K.SEND, K.RECV)
+        }
+        self._handlers: dict[ActionKind, Callable[[Action, int, _StepState], None]] = {
+            K.F: self._forward,
+            K.B: self._backward,
+            K.I: self._backward,
+            K.W: self._backward_weight,
+            K.FB_OVERLAP: self._overlap,
+            K.SEND: self._send,
+            K.RECV: self._recv,
+            K.LOCAL: self._local,
+            K.WAIT_SEND: self._wait_send,
+            K.BARRIER: self._barrier,
+            K.REDUCE_GRAD: self._reduce_grad,
+            K.WAIT_REDUCE_GRAD: self._wait_reduce_grad,
+            K.UNSHARD: lambda a, i, st: self._sync[a.stage].unshard(),
+            K.RESHARD: lambda a, i, st: self._sync[a.stage].reshard(),
+        }
+        self._meta_ready = False
+        self.local_handoffs = 0  # lifetime count of LOCAL hand-offs (tests read it)
+
+    # -- validation -----------------------------------------------------------
+
+    def _stage_mismatch(self) -> str | None:
+        mine = set(self.schedule.stages_of(self.pp_rank))
+        if set(self.stages) != mine:
+            return (
+                f"pipeline rank {self.pp_rank} was given stages {sorted(self.stages)} but the "
+                f"schedule places stages {sorted(mine)} on it; build exactly those stages "
+                f"on this rank (placement: stage -> rank {dict(enumerate(self.placement))})"
+            )
+        for st in self.stages.values():
+            if st.num_stages != self.num_stages:
+                return f"{st} says num_stages={st.num_stages}, the schedule has {self.num_stages}"
+        return None
+
+    def _split_backward_on_wrapped_stage(self) -> str | None:
+        # See [Note: W writes .grad directly] in grad_sync.py.
+        split = {c.stage for a in self.actions for c in a.compute_parts() if c.kind is K.W}
+        wrapped = sorted(s for s in split if s in self._sync and self._sync[s].timing is not None)
+        if not wrapped:
+            return None
+        kind = type(self.stages[wrapped[0]].module).__name__
+        return (
+            f"stages {wrapped} are wrapped in a data-parallel wrapper ({kind}), but the "
+            f"schedule ({self.schedule.meta.generator}) splits their backward into I and W; "
+            "W writes weight gradients the wrapper never reduces. Use a schedule with full "
+            "backwards (gpipe, 1f1b, interleaved, looped_bfs) for wrapped stages"
+        )
+
+    def _channel(self, a: Action) -> tuple[int, int]:
+        src, dst = (a.peer_stage, a.stage) if a.kind is K.RECV else (a.stage, a.peer_stage)
+        return (self.placement[src], self.placement[dst])  # type: ignore[index]
+
+    def _find_last_backwards(self) -> dict[int, int]:
+        """Per local stage, the index of its last gradient-producing action (B or W)."""
+        last: dict[int, int] = {}
+        for i, a in enumerate(self.actions):
+            for c in a.compute_parts():
+                if c.kind in (K.B, K.W):
+                    last[c.stage] = i
+        return last
+
+    # -- public API -------------------------------------------------------------
+
+    def step(
+        self,
+        *inputs: Any,
+        target: torch.Tensor | None = None,
+        losses: list | None = None,
+        sync_gradients: bool = True,
+    ) -> Any:
+        """One training step over the whole batch (shaped like torch's ``step``).
+
+        Args:
+            inputs: the full batch for stage 0 (split along dim 0 here).
+            target: the full-batch target for the loss on the last stage.
+            losses: if given, receives the per-microbatch (unscaled) losses on the
+                rank that holds the last stage.
+            sync_gradients: False for an accumulation step: DP wrappers accumulate
+                locally and no reduction is issued.
+
+        Returns:
+            The merged last-stage outputs on the rank that holds the last stage,
+            else ``None``.
+        """
+        if not torch.is_grad_enabled():
+            raise PipelineUsageError("step() under torch.no_grad(); use eval() for forward only")
+        if self.loss_fn is None:
+            raise PipelineUsageError(
+                "a training step needs loss_fn=...; use eval() for forward only"
+            )
+        return self._run(self.actions, inputs, target, losses, backward=True, sync=sync_gradients)
+
+    def eval(self, *inputs: Any, target: torch.Tensor | None = None, losses: list | None = None):
+        """Forward only (no graph kept, no gradients): the F actions and their transfers."""
+        with torch.no_grad():
+            return self._run(
+                self._forward_actions, inputs, target, losses, backward=False, sync=False
+            )
+
+    # -- step -------------------------------------------------------------------
+
+    def _split(self, inputs: Sequence[Any], target: torch.Tensor | None):
+        # Validate whatever this rank was given, even the inputs it does not use:
+        # with the usual SPMD call (same arguments everywhere) an uneven batch then
+        # fails on *every* rank here, instead of on one rank while its peers wait.
+        m = self.n_microbatches
+        mbs = split_microbatches(inputs, m)
+        targets = [t[0] for t in split_microbatches([target], m)] if target is not None else None
+        last = self.num_stages - 1
+        if last in self.stages and self.loss_fn is not None and targets is None:
+            raise PipelineUsageError("step() needs target= for the loss on the last stage")
+        return mbs, targets or [None] * m
+
+    def _run(self, actions: Sequence[Action], inputs, target, losses, *, backward, sync):
+        mbs, targets = self._split(inputs, target)
+        if not self._meta_ready:
+            self._infer_meta(mbs[0] if mbs else ())
+        st = _StepState(mbs, targets, backward)
+        for s in self._sync.values():
+            s.begin_step(sync and backward)
+        for i, a in enumerate(actions):
+            try:
+                self._handlers[a.kind](a, i, st)
+            except Exception as e:
+                for stage in self.stages.values():
+                    stage.clear()
+                raise PipelineRuntimeError(
+                    self._report(actions, i, e), rank=self.pp_rank, index=i, action=a
+                ) from e
+        for works in st.sends.values():
+            for w in works:
+                w.wait()
+        if backward:
+            for s in self._sync.values():
+                s.end_step()
+        for stage in self.stages.values():
+            stage.clear()
+        if losses is not None and st.losses:
+            losses.extend(st.losses[mb] for mb in sorted(st.losses))
+        if st.outputs:
+            return merge_microbatches([st.outputs[mb] for mb in sorted(st.outputs)])
+        return None
+
+    def _report(self, actions: Sequence[Action], index: int, exc: BaseException) -> str:
+        lines = [
+            f"pipeline rank {self.pp_rank} (global rank {dist.get_rank()}) failed at action "
+            f"{index} ({actions[index]}): {type(exc).__name__}: {exc}",
+            "lowered schedule of this rank:",
+        ]
+        for j, a in enumerate(actions):
+            extra = ""
+            if a.channel is not None:
+                extra = f"  [channel {a.channel[0]}->{a.channel[1]} seq {a.seq}]"
+            mark = "  <-- ERROR HERE" if j == index else ""
+            lines.append(f"  {j:4d}  {a}{extra}{mark}")
+        return "\n".join(lines)
+
+    # -- handlers: compute ------------------------------------------------------
+
+    def _take(self, st: _StepState, key: tuple[int, int, bool]) -> Tensors:
+        if key in st.local:
+            return st.local.pop(key)
+        queue = st.recvs.get(key)
+        if not queue:  # impossible for a verified schedule; name it if it happens
+            raise PipelineStateError(f"stage {key[0]} microbatch {key[1]}: no input to consume")
+        bufs, works = queue.pop(0)
+        for w in works:
+            w.wait()
+        return bufs
+
+    def _forward(self, a: Action, i: int, st: _StepState) -> None:
+        stage = self.stages[a.stage]
+        mb = a.mb
+        assert mb is not None
+        if stage.is_first:
+            inputs, how = st.mbs[mb], "user input"
+        else:
+            how = "received" if (a.stage, mb, False) not in st.local else "local hand-off"
+            inputs = self._take(st, (a.stage, mb, False))
+        outs = stage.forward(mb, inputs, how=how)
+        if stage.is_last:
+            st.outputs[mb] = tuple(o.detach() for o in outs)
+            if self.loss_fn is not None:
+                loss = self.loss_fn(*outs, st.targets[mb])
+                st.losses[mb] = loss.detach()
+                if st.backward:
+                    stage.set_loss(mb, loss * self.policy.scale(self.n_microbatches))
+            return
+        st.acts[(a.stage, mb)] = tuple(o.detach() for o in outs)
+
+    def _backward(self, a: Action, i: int, st: _StepState) -> None:
+        stage = self.stages[a.stage]
+        mb = a.mb
+        assert mb is not None
+        grads = None
+        if not stage.is_last:
+            grads = self._take(st, (a.stage, mb, True))
+            stage.check_grads(grads, mb, "received")
+        if a.kind is K.B:
+            self._sync[a.stage].before_backward(self._last_backward.get(a.stage) == i)
+            in_grads = stage.backward(mb, grads)
+        else:  # I: the input half; the stage's last backward is its W
+            self._sync[a.stage].before_backward(False)
+            in_grads = stage.backward_input(mb, grads)
+        if in_grads is not None:
+            st.grads[(a.stage, mb)] = in_grads
+
+    def _backward_weight(self, a: Action, i: int, st: _StepState) -> None:
+        self._sync[a.stage].before_backward(self._last_backward.get(a.stage) == i)
+        self.stages[a.stage].backward_weight(a.mb)
+
+    def _overlap(self, a: Action, i: int, st: _StepState) -> None:
+        # FB_OVERLAP: the sub-actions run in order (a fused kernel would go here).
+        for sub in a.sub:
+            self._handlers[sub.kind](sub, i, st)
+
+    # -- handlers: transfers ----------------------------------------------------
+
+    def _send(self, a: Action, i: int, st: _StepState) -> None:
+        comm, peer = self._route[a]
+        grad = a.payload is Payload.GRAD
+        tensors = (st.grads if grad else st.acts).pop((a.stage, a.mb))
+        st.sends[_send_key(a)] = [comm.isend(t.contiguous(), peer) for t in tensors]
+
+    def _recv(self, a: Action, i: int, st: _StepState) -> None:
+        comm, peer = self._route[a]
+        grad = a.payload is Payload.GRAD
+        stage = self.stages[a.stage]
+        bufs = stage.grad_buffers() if grad else stage.input_buffers()
+        works = [comm.irecv(b, peer) for b in bufs]
+        st.recvs.setdefault((a.stage, a.mb, grad), []).append((bufs, works))  # type: ignore[arg-type]
+
+    def _local(self, a: Action, i: int, st: _StepState) -> None:
+        # LOCAL: stage -> peer_stage on this rank, no P2P (the V turn, or looped
+        # placements with several consecutive stages on one rank).
+        grad = a.payload is Payload.GRAD
+        tensors = (st.grads if grad else st.acts).pop((a.stage, a.mb))
+        st.local[(a.peer_stage, a.mb, grad)] = tensors  # type: ignore[index]
+        self.local_handoffs += 1
+        if self.event_log is not None:
+            self.event_log.mark("pp_local", src=a.stage, dst=a.peer_stage, mb=a.mb, grad=grad)
+
+    def _wait_send(self, a: Action, i: int, st: _StepState) -> None:
+        # The SEND this waits for has the same (producer, consumer, payload, mb, slot).
+        for w in st.sends.get(_send_key(a), ()):
+            w.wait()
+
+    def _barrier(self, a: Action, i: int, st: _StepState) -> None:
+        # Every send this rank issued so far completes (as the simulator models it).
+        for works in st.sends.values():
+            for w in works:
+                w.wait()
+
+    # -- handlers: data parallel ------------------------------------------------
+
+    def _reduce_grad(self, a: Action, i: int, st: _StepState) -> None:
+        if self.event_log is not None:
+            self.event_log.mark("pp_reduce_grad", stage=a.stage, mb=a.mb)
+        self._sync[a.stage].reduce()
+
+    def _wait_reduce_grad(self, a: Action, i: int, st: _StepState) -> None:
+        self._sync[a.stage].wait()
+        if self.event_log is not None:
+            self.event_log.mark("pp_wait_reduce_grad", stage=a.stage, mb=a.mb)
+
+    # -- metadata ---------------------------------------------------------------
+
+    def _infer_meta(self, mb0: Sequence[Any]) -> None:
+        """Agree on every stage's input/output metadata, once, before the first step.
+
+        One vote over the pp group decides static vs inferred (all ranks must take
+        the same branch, or they would disagree on the broadcasts that follow).
+        Inference runs each stage once on zeros in stage order, in eval mode so
+        that running statistics are not updated, and broadcasts its output metadata.
+        """
+        complete = all(
+            st.output_meta is not None and (st.is_first or st.input_meta is not None)
+            for st in self.stages.values()
+        )
+        if all(self._pp_comm.all_gather_object(complete)):
+            self._meta_ready = True
+            return
+        for s in range(self.num_stages):
+            owner = self.placement[s]
+            meta = None
+            if owner == self.pp_rank:
+                meta = self._infer_stage(self.stages[s], mb0)
+            meta = self._pp_comm.broadcast_object(meta, src=owner)
+            nxt = self.stages.get(s + 1)
+            if nxt is not None and nxt.input_meta is None:
+                nxt.input_meta = tuple(meta)
+        self._meta_ready = True
+
+    def _infer_stage(self, stage: PipelineStage, mb0: Sequence[Any]) -> tuple[TensorMeta, ...]:
+        if stage.is_first:
+            inputs = tuple(mb0)
+            if all(isinstance(t, torch.Tensor) for t in inputs):
+                stage.input_meta = tuple(TensorMeta.of(t) for t in inputs)
+        else:
+            assert stage.input_meta is not None  # broadcast by the stage before it
+            inputs = tuple(m.empty(stage.device).zero_() for m in stage.input_meta)
+        was_training = stage.module.training
+        stage.module.eval()
+        try:
+            return stage.infer_output_meta(inputs)
+        finally:
+            stage.module.train(was_training)
+
+
+def _forward_only(a: Action) -> bool:
+    if a.kind in _TRANSFERS:
+        return a.payload is Payload.ACT
+    return a.kind in _FORWARD_KINDS
+
+
+def _send_key(a: Action) -> tuple:
+    return (a.stage, a.peer_stage, a.payload, a.mb, a.slot)
+
+
+class _StepState:
+    """Everything one step keeps between actions."""
+
+    def __init__(self, mbs: list, targets: list, backward: bool) -> None:
+        self.mbs = mbs
+        self.targets = targets
+        self.backward = backward
+        self.acts: dict[tuple[int, int | None], Tensors] = {}
+        self.grads: dict[tuple[int, int | None], Tensors] = {}
+        self.local: dict[tuple[int, int | None, bool], Tensors] = {}
+        self.recvs: dict[tuple[int, int, bool], list[tuple[Tensors, list[CommWork]]]] = {}
+        self.sends: dict[tuple, list[CommWork]] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Tensors] = {}

@@ -1,0 +1,117 @@
+"""Deferred gradient reduction for stages wrapped in a data-parallel wrapper.
+
+[Note: the runtime drives wrappers through their public verbs only]
+The runtime never looks inside a wrapper and never checks which one it holds. It
+calls only the public timing verbs of `cadence._timing.GradientTiming`, which
+`cadence.DataParallel` and `cadence.fully_shard` both implement, so one runtime
+drives every wrapper and a wrapper's internals can change without touching the
+pipeline. (torch pipelining instead toggles DDP's private flags and calls its
+reducer by hand, under a comment that calls it a hack; it breaks whenever DDP
+changes.) The verbs, in the order a step uses them:
+
+- ``set_manual_backward_finalization(True)`` once per step, so a backward launches
+  reductions but leaves finishing them to us;
+- ``set_requires_gradient_sync(flag)`` before every backward of the stage: True
+  only for the stage's *last* gradient-producing backward (B or W) of the step,
+  so earlier microbatches accumulate locally and the reduction runs once;
+- ``finalize_backward(async_op=True)`` at REDUCE_GRAD: issue, keep the handle;
+- ``handle.wait()`` at WAIT_REDUCE_GRAD, just before the result is needed (or at
+  the end of the step when the schedule has no wait action);
+- ``unshard(async_op=True)`` / ``reshard()`` at UNSHARD / RESHARD, if the wrapper
+  has them (fully_shard does, DataParallel does not need to).
+
+Scaling is not done here: the loss is scaled once before backward (see
+``microbatch.py``), so reduced gradients need no further division by ``m``.
+
+[Note: W writes .grad directly]
+The split backward's W step computes weight gradients with ``autograd.grad`` and
+assigns ``param.grad`` itself (stage.py, [Note: split backward]): the parameters'
+hooks never fire, so a wrapper that launches its reduction from gradient hooks
+sees nothing during W, and torch's split helpers also clash with the wrappers'
+gradient storage (DataParallel's bucket views, fully_shard's unsharded
+parameters), failing inside the first I or W. The runtime therefore refuses, on
+every rank before any group exists, a wrapped stage whose schedule has W actions
+(ZB-H1, ZBV, DualPipeV); B-only schedules (GPipe, 1F1B, interleaved, looped BFS)
+run real backwards, whose hooks the wrappers rely on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cadence._timing import GradientTiming
+from cadence.comm import ReductionHandle
+from cadence.pipeline.runtime.errors import PipelineStateError
+
+__all__ = ["StageGradSync"]
+
+
+class StageGradSync:
+    """The timing verbs for one local stage's module; a no-op for plain modules."""
+
+    def __init__(self, module: Any) -> None:
+        self.timing: GradientTiming | None = module if isinstance(module, GradientTiming) else None
+        self._module = module
+        self._handle: ReductionHandle | None = None
+        self._unshard: Any = None
+        self._sync = True
+        self.reduced = False
+        # "reduce" / "wait" in the order they ran, over the runtime's lifetime (tests read it).
+        self.history: list[str] = []
+
+    def begin_step(self, sync: bool) -> None:
+        self._sync = sync
+        self.reduced = False
+        if self.timing is not None:
+            self.timing.set_manual_backward_finalization(True)
+
+    def before_backward(self, is_last: bool) -> None:
+        if self.timing is not None:
+            self.timing.set_requires_gradient_sync(self._sync and is_last)
+
+    def reduce(self) -> None:
+        """REDUCE_GRAD: issue the stage's reduction and keep its handle."""
+        if self.timing is None or not self._sync:
+            return
+        if self._handle is not None:
+            raise PipelineStateError(
+                "REDUCE_GRAD issued twice for one stage in a step without a wait; "
+                "the schedule must have one REDUCE_GRAD per stage per step"
+            )
+        self._handle = self.timing.finalize_backward(async_op=True) or ReductionHandle.completed()
+        self.reduced = True
+        self.history.append("reduce")
+
+    def wait(self) -> None:
+        """WAIT_REDUCE_GRAD: the reduced gradients are visible after this returns."""
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+            self.history.append("wait")
+
+    def end_step(self) -> None:
+        """Close the step: wait a reduction the schedule left open, or finalize one
+        the schedule never issued (a schedule lowered without REDUCE_GRAD)."""
+        if self.timing is None:
+            return
+        if self._sync and not self.reduced:
+            self.reduce()
+        self.wait()
+
+    def unshard(self) -> None:
+        fn = getattr(self._module, "unshard", None)
+        if fn is not None and self._unshard is None:
+            self._unshard = fn(async_op=True)
+
+    def _wait_unshard(self) -> None:
+        if self._unshard is not None:
+            wait = getattr(self._unshard, "wait", None)
+            if wait is not None:
+                wait()
+            self._unshard = None
+
+    def reshard(self) -> None:
+        self._wait_unshard()
+        fn = getattr(self._module, "reshard", None)
+        if fn is not None:
+            fn()

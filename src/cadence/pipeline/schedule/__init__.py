@@ -1,0 +1,141 @@
+"""The schedule layer: pipeline schedules as data, with no process group and no torch.
+
+Modules, each importing only those before it:
+
+- ``ir``: `Action`, `ActionKind`, `Payload`, `Schedule` (placement + per-rank
+  action lists), text/JSON/CSV forms compatible with torch's action strings.
+- ``validate``: the compute and lowered rules, and the dataflow they are stated in.
+- ``generators``: GPipe, 1F1B, Interleaved 1F1B, LoopedBFS, ZB-H1, ZBV, DualPipeV.
+- ``sim``: the discrete-event simulator, `verify` (the runtime's gate) and
+  `repair_deadlocks`.
+- ``passes``: lowering (comms, parity rule, reduce-grad insertion) and
+  `complete_comms` for schedules lowered by torch pipelining.
+- ``channels``: the directed P2P channels of a lowered schedule, their creation
+  plan and its digest (the one value every rank votes on).
+- ``viz``: ASCII grid, PNG and Chrome trace of a simulation.
+- ``show``: what ``cadence schedule show`` prints.
+
+Everything here is deterministic and runs where torch is not installed.
+"""
+
+from __future__ import annotations
+
+from cadence.pipeline.schedule.channels import (
+    CHANNEL_MODES,
+    RUNTIME_CHANNEL_MODES,
+    ChannelPlan,
+    channel_plan,
+    derive_channels,
+    describe_plan_difference,
+    logical_edges,
+    plan_rounds,
+)
+from cadence.pipeline.schedule.generators import (
+    GENERATORS,
+    SCHEDULE_NAMES,
+    canonical_name,
+    default_chunks,
+    dualpipev,
+    generate,
+    gpipe,
+    interleaved_1f1b,
+    loop_placement,
+    looped_bfs,
+    one_f_one_b,
+    placement_for,
+    torch_schedule_name,
+    v_placement,
+    zb_h1,
+    zbv,
+)
+from cadence.pipeline.schedule.ir import (
+    IR_VERSION,
+    Action,
+    ActionKind,
+    Payload,
+    Schedule,
+    ScheduleMeta,
+    ScheduleValidationError,
+    parse_action,
+)
+from cadence.pipeline.schedule.passes import (
+    add_comms,
+    add_reduce_grad,
+    add_wait_reduce,
+    apply_parity_rule,
+    complete_comms,
+    lower,
+)
+from cadence.pipeline.schedule.show import show_schedule
+from cadence.pipeline.schedule.sim import (
+    FifoMismatchError,
+    ScheduleDeadlockError,
+    SimResult,
+    TimeModel,
+    repair_deadlocks,
+    simulate,
+    verify,
+)
+from cadence.pipeline.schedule.validate import (
+    inputs_of,
+    outputs_of,
+    validate_compute,
+    validate_lowered,
+)
+from cadence.pipeline.schedule.viz import ascii_grid, chrome_trace, render_png
+
+__all__ = [
+    "CHANNEL_MODES",
+    "GENERATORS",
+    "IR_VERSION",
+    "RUNTIME_CHANNEL_MODES",
+    "SCHEDULE_NAMES",
+    "Action",
+    "ActionKind",
+    "ChannelPlan",
+    "FifoMismatchError",
+    "Payload",
+    "Schedule",
+    "ScheduleDeadlockError",
+    "ScheduleMeta",
+    "ScheduleValidationError",
+    "SimResult",
+    "TimeModel",
+    "add_comms",
+    "add_reduce_grad",
+    "add_wait_reduce",
+    "apply_parity_rule",
+    "ascii_grid",
+    "canonical_name",
+    "channel_plan",
+    "chrome_trace",
+    "complete_comms",
+    "default_chunks",
+    "derive_channels",
+    "describe_plan_difference",
+    "dualpipev",
+    "generate",
+    "gpipe",
+    "inputs_of",
+    "interleaved_1f1b",
+    "logical_edges",
+    "loop_placement",
+    "looped_bfs",
+    "lower",
+    "one_f_one_b",
+    "outputs_of",
+    "parse_action",
+    "placement_for",
+    "plan_rounds",
+    "render_png",
+    "repair_deadlocks",
+    "show_schedule",
+    "simulate",
+    "torch_schedule_name",
+    "v_placement",
+    "validate_compute",
+    "validate_lowered",
+    "verify",
+    "zb_h1",
+    "zbv",
+]

@@ -1,0 +1,553 @@
+"""Discrete-event simulator over a global lowered schedule, and the runtime's gate.
+
+`simulate` runs a lowered schedule under switchable semantics; `verify` (IR
+validation + strict simulation) is what the runtime runs before it creates any
+process group; `repair_deadlocks` is the one lowering pass that needs the
+simulator, so it lives here and the passes import it (passes -> sim, one way).
+
+[Note: simulator semantics]
+- Each rank runs its actions in program order. RECV *posts* a receive and never
+  blocks; a compute blocks until its RECVs have completed (or its LOCAL ran).
+- SEND is issued when reached (like ``isend``) and does not block by itself.
+  Under ``send="rendezvous"`` (default, strict: gloo really blocks, and it is
+  NCCL's worst case) it *completes* only when the matching RECV is posted (and,
+  with serialisation, reached); ``WAIT_SEND`` and the end of the step block
+  until completion. A blocking send is SEND + WAIT_SEND; ``BARRIER`` waits for
+  every send its rank issued so far. ``send="eager"`` with
+  ``eager=k`` completes up to k unmatched sends per rank at once (buffered).
+- Matching: on each channel (src_rank, dst_rank) the i-th SEND meets the i-th
+  RECV; their (src stage, dst stage, payload, slot, mb) must agree, else a
+  `FifoMismatchError` ("FIFO mismatch on channel (0->1), seq 0: expected 1F1 got
+  1F0").
+- ``serialize=True`` models NCCL communicators: ops of one rank on one group
+  progress in issue order, so an op that cannot progress blocks later ops on that
+  group. Groups per ``mode``: ``shared`` (one), ``per_direction`` (activations /
+  gradients), ``per_directed_edge`` (one per channel: no cross-edge coupling).
+  With looped placements this reproduces the hang of pytorch/pytorch#195760: a
+  receive on the wrap-around edge (rank p-1 -> 0) queued behind unrelated sends to
+  rank 1 on the same communicator closes a cross-rank wait cycle. Skew
+  (``TimeModel.start_delay``) moves times only: in this model the cycle is a
+  property of the issue orders, which is exactly why it is a latent hang that skew
+  exposes on real hardware.
+- A deadlock raises `ScheduleDeadlockError` with the wait-for cycle
+  (rank -[action, channel, seq]-> rank) and the first blocked action per rank.
+- Bubble fraction (``bubble``) = idle / (p x makespan), start/end stagger
+  included; ``bubble_in_span`` = idle inside each rank's first-start..last-end.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cadence.errors import CadenceError
+from cadence.pipeline.schedule.ir import (
+    Action,
+    ActionKind,
+    Payload,
+    Schedule,
+    ScheduleValidationError,
+)
+from cadence.pipeline.schedule.validate import inputs_of, outputs_of, validate_lowered
+
+__all__ = [
+    "ChannelMode",
+    "FifoMismatchError",
+    "ScheduleDeadlockError",
+    "SimResult",
+    "TimeModel",
+    "repair_deadlocks",
+    "simulate",
+    "verify",
+]
+
+K = ActionKind
+ChannelMode = Literal["shared", "per_direction", "per_directed_edge"]
+_MODES = ("shared", "per_direction", "per_directed_edge")
+
+
+class FifoMismatchError(ScheduleValidationError):
+    """The i-th SEND and the i-th RECV on a channel carry different things."""
+
+
+class ScheduleDeadlockError(CadenceError, RuntimeError):
+    """No rank can progress. ``cycle``: [(rank, action text, channel, seq, waits_on_rank)];
+    ``blocked``: rank -> (index, action text, reason)."""
+
+    def __init__(self, message: str, cycle: list[tuple], blocked: dict[int, tuple]) -> None:
+        super().__init__(message)
+        self.cycle = cycle
+        self.blocked = blocked
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Per-kind durations of a *full* stage (divided by v per chunk if
+    ``scale_by_chunks``), and comm cost alpha + bytes / beta per message."""
+
+    f: float = 1.0
+    i: float = 1.0
+    w: float = 1.0
+    b: float | None = None  # full backward; default i + w
+    scale_by_chunks: bool = True
+    alpha: float = 0.0
+    beta: float = math.inf
+    message_bytes: float = 0.0
+    start_delay: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("f", "i", "w", "alpha"):
+            if getattr(self, name) < 0:
+                raise ScheduleValidationError(f"TimeModel.{name} must be >= 0")
+        if self.beta <= 0:
+            raise ScheduleValidationError("TimeModel.beta (bytes per time unit) must be > 0")
+
+    def duration(self, a: Action, v: int) -> float:
+        base = {
+            K.F: self.f,
+            K.I: self.i,
+            K.W: self.w,
+            K.B: self.b if self.b is not None else self.i + self.w,
+        }
+        total = sum(base[c.kind] for c in a.compute_parts())
+        return total / v if self.scale_by_chunks else total
+
+    def comm(self) -> float:
+        return self.alpha + (self.message_bytes / self.beta if self.message_bytes else 0.0)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulation found. Times are in `TimeModel` units."""
+
+    makespan: float
+    busy: tuple[float, ...]
+    span: tuple[float, ...]
+    bubble: float  # idle / (p * makespan)
+    bubble_in_span: float  # idle / sum of each rank's busy span
+    peak_inflight: tuple[int, ...]  # chunk activations alive at once, per rank
+    mode: str
+    send: str
+    events: tuple[tuple[int, str, float, float], ...] = field(
+        repr=False, default=()
+    )  # rank, action, start, end
+    flows: tuple[tuple[int, int, float, float, str], ...] = field(
+        repr=False, default=()
+    )  # src, dst, t_send, t_recv, label
+
+    def summary(self) -> str:
+        lines = [
+            f"makespan {self.makespan:g}, bubble {self.bubble:.4f} (idle / (p x makespan)), "
+            f"bubble within rank spans {self.bubble_in_span:.4f}"
+        ]
+        for r, (b, pk) in enumerate(zip(self.busy, self.peak_inflight, strict=True)):
+            lines.append(
+                f"  rank {r}: busy {b:g}, idle {self.makespan - b:g}, peak in-flight activations {pk}"
+            )
+        return "\n".join(lines)
+
+
+class _Op:
+    __slots__ = ("action", "channel", "done", "group", "index", "match", "pos", "post", "rank")
+
+    def __init__(
+        self,
+        rank: int,
+        index: int,
+        action: Action,
+        channel: tuple[int, int],
+        group: Any,
+        post: float,
+    ) -> None:
+        self.rank, self.index, self.action, self.channel, self.group = (
+            rank,
+            index,
+            action,
+            channel,
+            group,
+        )
+        self.post = post
+        self.match: float | None = None
+        self.done: float | None = None
+        self.pos = -1
+
+
+def _label(src: int, dst: int, payload: Payload, mb: int) -> str:
+    return f"{dst}{'F' if payload is Payload.ACT else 'B'}{mb}"
+
+
+class _Sim:
+    def __init__(
+        self, sched: Schedule, mode: str, send: str, eager: int, serialize: bool, time: TimeModel
+    ) -> None:
+        if mode not in _MODES:
+            raise ScheduleValidationError(f"mode must be one of {_MODES}, got {mode!r}")
+        if send not in ("rendezvous", "eager"):
+            raise ScheduleValidationError(f"send must be 'rendezvous' or 'eager', got {send!r}")
+        self.s, self.mode, self.send, self.eager, self.serialize, self.tm = (
+            sched,
+            mode,
+            send,
+            eager,
+            serialize,
+            time,
+        )
+        self.p, self.n = sched.num_ranks, sched.num_stages
+        self.v = max(1, self.n // self.p)
+        self.pc = [0] * self.p
+        self.t = [time.start_delay[r] if r < len(time.start_delay) else 0.0 for r in range(self.p)]
+        self.sends: dict[tuple[int, int], list[_Op]] = {}
+        self.recvs: dict[tuple[int, int], list[_Op]] = {}
+        self.queues: dict[tuple[int, Any], list[_Op]] = {}
+        self.matched: dict[tuple[int, int], int] = {}
+        self.avail: dict[tuple[int, tuple], float] = {}  # (rank, input key) -> time available
+        self.recv_of: dict[tuple[int, tuple], _Op] = {}
+        self.produced: dict[tuple, float] = {}
+        self.sent_by: dict[tuple, _Op] = {}
+        self.busy = [0.0] * self.p
+        self.first = [math.inf] * self.p
+        self.last = [0.0] * self.p
+        self.live = [0] * self.p
+        self.peak = [0] * self.p
+        self.events: list[tuple[int, str, float, float]] = []
+        self.flows: list[tuple[int, int, float, float, str]] = []
+
+    def _group(self, a: Action, ch: tuple[int, int]) -> Any:
+        if self.mode == "shared":
+            return "all"
+        if self.mode == "per_direction":
+            return a.payload
+        return ch
+
+    def _key(self, a: Action) -> tuple:
+        peer = a.peer_stage
+        src, dst = (peer, a.stage) if a.kind is K.RECV else (a.stage, peer)
+        return (src, dst, a.payload, a.mb)
+
+    # -- matching ---------------------------------------------------------------
+
+    def _head_ok(self, op: _Op) -> float | None:
+        """None while an earlier op on the same communicator is unfinished, else the
+        time the communicator is free for ``op`` (serialisation model)."""
+        if not self.serialize:
+            return 0.0
+        free = 0.0
+        for o in self.queues[(op.rank, op.group)]:
+            if o is op:
+                return free
+            if o.done is None:
+                return None
+            free = max(free, o.done)
+        return free
+
+    def _match(self) -> bool:
+        progress = False
+        for ch, sends in self.sends.items():
+            recvs = self.recvs.get(ch, [])
+            i = self.matched.get(ch, 0)
+            while i < len(sends) and i < len(recvs):
+                s, r = sends[i], recvs[i]
+                hs, hr = self._head_ok(s), self._head_ok(r)
+                if hs is None or hr is None:
+                    break
+                ks, kr = self._key(s.action), self._key(r.action)
+                if (ks, s.action.slot) != (kr, r.action.slot):
+                    raise FifoMismatchError(
+                        f"FIFO mismatch on channel ({ch[0]}->{ch[1]}), seq {i}: expected "
+                        f"{_label(*kr)} got {_label(*ks)} (rank {ch[1]} posted its receives in "
+                        f"a different order than rank {ch[0]} sent; post RECVs in send order)"
+                    )
+                for op in (s, r):
+                    if op.action.seq is not None and op.action.seq != i:
+                        raise FifoMismatchError(
+                            f"rank {op.rank}, action {op.index} ({op.action}): sequence number "
+                            f"{op.action.seq} but it is op {i} on channel ({ch[0]}->{ch[1]}); "
+                            "re-run lowering instead of editing seq by hand"
+                        )
+                t = max(s.post, r.post, hs, hr)
+                done = t + self.tm.comm()
+                s.match = r.match = t
+                if s.done is None:  # an eager send completed when it was buffered
+                    s.done = t
+                r.done = done
+                self.flows.append((ch[0], ch[1], t, done, str(s.action)))
+                i += 1
+                progress = True
+            self.matched[ch] = i
+        return progress
+
+    # -- stepping ---------------------------------------------------------------
+
+    def _post(self, r: int, i: int, a: Action, table: dict) -> _Op:
+        key = self._key(a)
+        src_rank, dst_rank = self.s.placement[key[0]], self.s.placement[key[1]]
+        ch = (src_rank, dst_rank)
+        op = _Op(r, i, a, ch, self._group(a, ch), self.t[r])
+        op.pos = len(table.setdefault(ch, []))
+        table[ch].append(op)
+        self.queues.setdefault((r, op.group), []).append(op)
+        return op
+
+    def _step(self, r: int) -> bool:
+        acts = self.s.ranks[r]
+        if self.pc[r] >= len(acts):
+            return False
+        i, a = self.pc[r], acts[self.pc[r]]
+        if a.kind is K.SEND:
+            op = self._post(r, i, a, self.sends)
+            self.sent_by[(self._key(a), a.slot)] = op
+            if self.send == "eager":
+                buffered = sum(
+                    1 for o in self._rank_sends(r) if o.match is None and o.done is not None
+                )
+                if buffered < self.eager:
+                    op.done = op.post
+            self.pc[r] += 1
+            return True
+        if a.kind is K.RECV:
+            op = self._post(r, i, a, self.recvs)
+            self.recv_of[(r, self._key(a))] = op
+            self.pc[r] += 1
+            return True
+        if a.kind is K.LOCAL:
+            self.avail[(r, self._key(a))] = self.produced.get(self._key(a), self.t[r])
+            self.pc[r] += 1
+            return True
+        if a.kind is K.WAIT_SEND:
+            op = self.sent_by.get((self._key(a), a.slot))
+            if op is None or op.done is None:
+                return False
+            self.t[r] = max(self.t[r], op.done)
+            self.pc[r] += 1
+            return True
+        if a.kind is K.BARRIER:
+            sent = self._rank_sends(r)
+            if any(o.done is None for o in sent):
+                return False
+            self.t[r] = max([self.t[r], *(o.done for o in sent if o.done is not None)])
+            self.pc[r] += 1
+            return True
+        if a.is_compute:
+            start = self.t[r]
+            for key in inputs_of(a, self.n):
+                if (r, key) in self.avail:
+                    start = max(start, self.avail[(r, key)])
+                    continue
+                op = self.recv_of.get((r, key))
+                if op is None or op.done is None:
+                    return False
+                start = max(start, op.done)
+            dur = self.tm.duration(a, self.v)
+            end = start + dur
+            self.t[r] = end
+            self.busy[r] += dur
+            self.first[r] = min(self.first[r], start)
+            self.last[r] = max(self.last[r], end)
+            for c in a.compute_parts():
+                if c.kind is K.F:
+                    self.live[r] += 1
+                    self.peak[r] = max(self.peak[r], self.live[r])
+                elif c.kind in (K.B, K.W):
+                    self.live[r] -= 1
+            for key in outputs_of(a, self.n):
+                self.produced[key] = end
+            self.events.append((r, str(a), start, end))
+            self.pc[r] += 1
+            return True
+        # REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD: zero-time markers here.
+        self.pc[r] += 1
+        return True
+
+    def _rank_sends(self, r: int) -> list[_Op]:
+        return [o for ops in self.sends.values() for o in ops if o.rank == r]
+
+    def run(self) -> None:
+        while True:
+            progress = self._match()
+            for r in range(self.p):
+                while self._step(r):
+                    progress = True
+                    self._match()
+            if not progress:
+                break
+        unfinished = [r for r in range(self.p) if self.pc[r] < len(self.s.ranks[r])]
+        open_sends = [o for ops in self.sends.values() for o in ops if o.done is None]
+        if unfinished or open_sends:
+            self._deadlock(unfinished, open_sends)
+
+    # -- deadlock report ----------------------------------------------------------
+
+    def blocked_info(self) -> dict[int, tuple[int, Action, _Op | None, int | None, str]]:
+        """rank -> (index, action, op it waits on, rank it waits on, reason)."""
+        info: dict[int, tuple[int, Action, _Op | None, int | None, str]] = {}
+        for r in range(self.p):
+            acts = self.s.ranks[r]
+            op: _Op | None = None
+            if self.pc[r] < len(acts):
+                i, a = self.pc[r], acts[self.pc[r]]
+                if a.is_compute:
+                    for key in inputs_of(a, self.n):
+                        cand = self.recv_of.get((r, key))
+                        if (r, key) not in self.avail and cand is not None and cand.done is None:
+                            op = cand
+                            break
+                elif a.kind is K.WAIT_SEND:
+                    op = self.sent_by.get((self._key(a), a.slot))
+                elif a.kind is K.BARRIER:
+                    op = next((o for o in self._rank_sends(r) if o.done is None), None)
+            else:
+                left = [o for o in self._rank_sends(r) if o.done is None]
+                if not left:
+                    continue
+                op, i = left[0], len(acts)
+                a = op.action  # the end of the step waits for every send
+            if op is None:
+                info[r] = (i, a, None, None, "waiting for an input that was never received")
+                continue
+            blocker = op
+            if self.serialize:
+                for o in self.queues[(op.rank, op.group)]:
+                    if o is op:
+                        break
+                    if o.done is None:
+                        blocker = o
+                        break
+            peer = blocker.channel[1] if blocker.channel[0] == r else blocker.channel[0]
+            what = "RECV" if blocker in self.recvs.get(blocker.channel, []) else "SEND"
+            reason = (
+                f"waiting on {blocker.action} ({what} on channel ({blocker.channel[0]}->"
+                f"{blocker.channel[1]}), seq {blocker.pos}) for rank {peer}"
+            )
+            if blocker is not op:
+                reason += f", queued behind it on communicator {blocker.group!r}"
+            info[r] = (i, a, blocker, peer, reason)
+        return info
+
+    def _deadlock(self, unfinished: list[int], open_sends: list[_Op]) -> None:
+        info = self.blocked_info()
+        cycle: list[tuple] = []
+        for start in sorted(info):
+            path, r = [], start
+            while r is not None and r in info and r not in path:
+                path.append(r)
+                r = info[r][3]
+            if r is not None and r in path:
+                loop = path[path.index(r) :]
+                for x in loop:
+                    i, a, op, peer, _ = info[x]
+                    cycle.append(
+                        (x, str(a), op.channel if op else None, op.pos if op else None, peer)
+                    )
+                break
+        lines = [
+            "schedule deadlocks ("
+            + f"send={self.send}, mode={self.mode}, serialize={self.serialize})"
+        ]
+        if cycle:
+            parts = [
+                f"rank {x} -[{a}, channel {ch[0]}->{ch[1]}, seq {sq}]->"
+                for x, a, ch, sq, _ in cycle
+            ]
+            lines.append("wait-for cycle: " + " ".join(parts) + f" rank {cycle[0][0]}")
+        lines.append("first blocked action per rank:")
+        for r in sorted(info):
+            i, a, _, _, reason = info[r]
+            lines.append(f"  rank {r}: action {i} {a}: {reason}")
+        raise ScheduleDeadlockError(
+            "\n".join(lines), cycle, {r: (v[0], str(v[1]), v[4]) for r, v in info.items()}
+        )
+
+    def result(self) -> SimResult:
+        makespan = max(self.last) if self.p else 0.0
+        span = tuple(
+            (lt - ft) if ft != math.inf else 0.0
+            for ft, lt in zip(self.first, self.last, strict=True)
+        )
+        total = sum(self.busy)
+        bubble = 1 - total / (self.p * makespan) if makespan else 0.0
+        in_span = 1 - total / sum(span) if sum(span) else 0.0
+        return SimResult(
+            makespan=makespan,
+            busy=tuple(self.busy),
+            span=span,
+            bubble=bubble,
+            bubble_in_span=in_span,
+            peak_inflight=tuple(self.peak),
+            mode=self.mode,
+            send=self.send if self.send == "rendezvous" else f"eager({self.eager})",
+            events=tuple(self.events),
+            flows=tuple(self.flows),
+        )
+
+
+def simulate(
+    sched: Schedule,
+    *,
+    mode: ChannelMode = "per_directed_edge",
+    send: Literal["rendezvous", "eager"] = "rendezvous",
+    eager: int = 1,
+    serialize: bool = False,
+    time: TimeModel | None = None,
+) -> SimResult:
+    """Simulate a lowered schedule; raise on deadlock or FIFO mismatch."""
+    sim = _Sim(sched, mode, send, eager, serialize, time or TimeModel())
+    sim.run()
+    return sim.result()
+
+
+def verify(
+    sched: Schedule,
+    *,
+    mode: ChannelMode = "per_directed_edge",
+    serialize: bool = True,
+    time: TimeModel | None = None,
+) -> SimResult:
+    """The runtime's gate: IR validation + strict simulation (rendezvous sends,
+    communicator serialisation in ``mode``). Raises `ScheduleValidationError`,
+    `FifoMismatchError` or `ScheduleDeadlockError`; returns the `SimResult`."""
+    if not sched.meta.lowered:
+        raise ScheduleValidationError("verify takes a lowered schedule; run lower(schedule) first")
+    validate_lowered(sched)
+    return simulate(sched, mode=mode, send="rendezvous", serialize=serialize, time=time)
+
+
+def repair_deadlocks(sched: Schedule, *, max_moves: int | None = None) -> Schedule:
+    """Hoist the receives that blocked rendezvous sends wait for.
+
+    Runs the structural simulator (rendezvous sends, no serialisation); while some
+    SEND waits for a RECV its peer has not posted yet, that RECV moves up to the
+    peer's blocked point. A RECV never blocks (it only posts), so each move lets
+    the blocked send complete and the simulation progress; the number of moves is
+    bounded by the number of actions. Only schedules with explicit blocking sends
+    (WAIT_SEND) need it: cadence's own lowering never emits one.
+    """
+    rows = [list(r) for r in sched.ranks]
+    limit = max_moves if max_moves is not None else sum(len(r) for r in rows) + 1
+    for _ in range(limit):
+        cur = sched.with_ranks(rows)
+        hit = _structural_blocked_send(cur)
+        if hit is None:
+            return cur
+        peer, peer_pc, recv_index = hit
+        recv = rows[peer].pop(recv_index)
+        rows[peer].insert(peer_pc, recv)
+    raise ScheduleValidationError("could not make the schedule deadlock-free by hoisting receives")
+
+
+def _structural_blocked_send(sched: Schedule) -> tuple[int, int, int] | None:
+    """For `repair_deadlocks`: (peer, peer's pc, index of the RECV to hoist), or None."""
+    sim = _Sim(sched, "per_directed_edge", "rendezvous", 0, False, TimeModel())
+    try:
+        sim.run()
+    except ScheduleDeadlockError:
+        for _r, (_, _, op, peer, _) in sorted(sim.blocked_info().items()):
+            if op is None or peer is None or op.match is not None or op.channel[0] != op.rank:
+                continue
+            acts = sched.ranks[peer]
+            for j in range(sim.pc[peer], len(acts)):
+                b = acts[j]
+                if b.kind is K.RECV and sim._key(b) == sim._key(op.action):
+                    return peer, sim.pc[peer], j
+        return None
+    return None

@@ -1,0 +1,209 @@
+"""The rules a schedule must satisfy, and the dataflow they are stated in.
+
+`validate_compute` checks a compute-only schedule (what a generator emits),
+`validate_lowered` a lowered one (what the runtime executes). Both raise
+`ScheduleValidationError` naming the rule, the rank and the action index. The
+passes (``passes.py``) and the simulator (``sim.py``) build on this module; it
+imports nothing but the IR, so both can use it without importing each other.
+
+[Note: the dataflow of a compute action]
+F of stage s consumes the activation of stage s-1 (nothing on stage 0) and
+produces its own for stage s+1. B and I of stage s consume the gradient that
+stage s+1 produced (nothing on the last stage: the loss is its root) and produce
+the gradient for stage s-1. W consumes and produces nothing across stages: it only
+needs its own stage's I to have run. `inputs_of` / `outputs_of` state exactly this,
+as ``(producer stage, consumer stage, payload, microbatch)`` edges; lowering turns
+each cross-rank edge into a SEND/RECV pair and each same-rank edge into a LOCAL.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from cadence.pipeline.schedule.ir import (
+    Action,
+    ActionKind,
+    Payload,
+    Schedule,
+    ScheduleValidationError,
+)
+
+__all__ = ["inputs_of", "outputs_of", "validate_compute", "validate_lowered"]
+
+K = ActionKind
+_COMM = (K.SEND, K.RECV, K.LOCAL, K.WAIT_SEND)
+Edge = tuple[int, int, Payload, int]
+
+
+def _err(msg: str) -> ScheduleValidationError:
+    return ScheduleValidationError(msg)
+
+
+# -- dataflow of compute actions -------------------------------------------------
+
+
+def inputs_of(a: Action, n_stages: int) -> list[Edge]:
+    """The edges a compute action consumes; see [Note: the dataflow of a compute action]."""
+    out = []
+    for c in a.compute_parts():
+        assert c.mb is not None
+        if c.kind is K.F and c.stage > 0:
+            out.append((c.stage - 1, c.stage, Payload.ACT, c.mb))
+        elif c.kind in (K.B, K.I) and c.stage + 1 < n_stages:
+            out.append((c.stage + 1, c.stage, Payload.GRAD, c.mb))
+    return out
+
+
+def outputs_of(a: Action, n_stages: int) -> list[Edge]:
+    """The edges a compute action produces; see [Note: the dataflow of a compute action]."""
+    out = []
+    for c in a.compute_parts():
+        assert c.mb is not None
+        if c.kind is K.F and c.stage + 1 < n_stages:
+            out.append((c.stage, c.stage + 1, Payload.ACT, c.mb))
+        elif c.kind in (K.B, K.I) and c.stage > 0:
+            out.append((c.stage, c.stage - 1, Payload.GRAD, c.mb))
+    return out
+
+
+# -- validation ------------------------------------------------------------------
+
+
+def validate_compute(sched: Schedule, m: int | None = None) -> None:
+    """Check the compute actions; raise `ScheduleValidationError` naming the rule."""
+    m = sched.meta.m if m is None else m
+    n = sched.num_stages
+    if m <= 0:
+        raise _err("the schedule has no microbatches (meta.m == 0 and no compute actions)")
+    counts: Counter[tuple[K, int, int]] = Counter()
+    for r, acts in enumerate(sched.ranks):
+        seen: set[tuple[K, int, int]] = set()
+        for i, a in enumerate(acts):
+            for c in a.compute_parts():
+                assert c.mb is not None
+                where = f"rank {r}, action {i} ({c})"
+                if sched.placement[c.stage] != r:
+                    raise _err(
+                        f"{where}: stage {c.stage} is placed on rank {sched.placement[c.stage]} "
+                        f"but computes on rank {r}; a stage must live on exactly one rank"
+                    )
+                if c.mb >= m:
+                    raise _err(f"{where}: microbatch {c.mb} is out of range 0..{m - 1}")
+                key = (c.kind, c.stage, c.mb)
+                if key in seen:
+                    raise _err(f"{where}: {c} runs twice")
+                if c.kind in (K.B, K.I) and (K.F, c.stage, c.mb) not in seen:
+                    what = "Full backward" if c.kind is K.B else "Input backward"
+                    raise _err(
+                        f"{where}: {what} of stage {c.stage}, microbatch {c.mb} without first "
+                        f"running its forward (B before F)"
+                    )
+                if c.kind is K.W and (K.I, c.stage, c.mb) not in seen:
+                    raise _err(
+                        f"{where}: weight backward of stage {c.stage}, microbatch {c.mb} before "
+                        f"its input backward (W before I)"
+                    )
+                if c.kind is K.I and (K.B, c.stage, c.mb) in seen:
+                    raise _err(f"{where}: microbatch has both a full B and an I/W split")
+                seen.add(key)
+                counts[key] += 1
+    for s in range(n):
+        for k in range(m):
+            if not counts[(K.F, s, k)]:
+                raise _err(
+                    f"stage {s} (rank {sched.placement[s]}) is missing the forward of microbatch {k}"
+                )
+            full, inp, wgt = counts[(K.B, s, k)], counts[(K.I, s, k)], counts[(K.W, s, k)]
+            if full == 0 and inp == 0:
+                raise _err(
+                    f"stage {s} (rank {sched.placement[s]}) is missing the backward of microbatch {k}"
+                )
+            if inp and not wgt:
+                raise _err(
+                    f"stage {s}, microbatch {k}: I without its W (the weight gradient is never computed)"
+                )
+
+
+def validate_lowered(sched: Schedule) -> None:
+    """Check the lowered rules: pairing of SEND/RECV, consumption, LOCAL, waits."""
+    validate_compute(sched)
+    n = sched.num_stages
+    sends: dict[tuple, tuple[int, int, Action]] = {}
+    recvs: dict[tuple, tuple[int, int, Action]] = {}
+    for r, acts in enumerate(sched.ranks):
+        have: set[tuple] = set()  # inputs provided by an earlier RECV/LOCAL
+        produced: set[tuple] = set()
+        issued_reduce: set[int] = set()
+        for i, a in enumerate(acts):
+            where = f"rank {r}, action {i} ({a})"
+            if a.kind in _COMM:
+                peer = a.peer_stage
+                if peer is None or not 0 <= peer < n:
+                    raise _err(f"{where}: peer stage {peer} is not a stage of this schedule")
+                src, dst = (peer, a.stage) if a.kind is K.RECV else (a.stage, peer)
+                key = (src, dst, a.payload, a.mb, a.slot)
+                same = sched.placement[src] == sched.placement[dst]
+                route = (sched.placement[src], sched.placement[dst])
+                if a.channel is not None and a.channel != route:
+                    raise _err(
+                        f"{where}: channel {a.channel} but stage {src} -> {dst} is rank "
+                        f"{route[0]} -> {route[1]}; a channel is (src rank, dst rank)"
+                    )
+                if a.kind is K.LOCAL:
+                    if not same:
+                        raise _err(
+                            f"{where}: LOCAL between stages on ranks {sched.placement[src]} and {sched.placement[dst]}; use SEND/RECV"
+                        )
+                    if key[:4] not in produced:
+                        raise _err(f"{where}: LOCAL before its producer ran on this rank")
+                    have.add(key)
+                elif same:
+                    raise _err(
+                        f"{where}: {a.kind.name} between stages {src} and {dst} on the same rank; use LOCAL"
+                    )
+                elif a.kind is K.SEND:
+                    if key[:4] not in produced:
+                        raise _err(
+                            f"{where}: SEND before its producer ({src}{'F' if a.payload is Payload.ACT else 'B/I'}{a.mb}) ran"
+                        )
+                    if key in sends:
+                        raise _err(f"{where}: duplicate SEND")
+                    sends[key] = (r, i, a)
+                elif a.kind is K.RECV:
+                    if key in recvs:
+                        raise _err(f"{where}: duplicate RECV")
+                    recvs[key] = (r, i, a)
+                    have.add(key)
+            elif a.is_compute:
+                for key in inputs_of(a, n):
+                    if (*key, 0) not in have:
+                        raise _err(
+                            f"{where}: consumes the {key[2].name.lower()} of stage {key[0]}, "
+                            f"microbatch {key[3]}, but no earlier RECV or LOCAL on rank {r} provides it"
+                        )
+                    have.discard((*key, 0))
+                produced.update(outputs_of(a, n))
+            elif a.kind is K.REDUCE_GRAD:
+                issued_reduce.add(a.stage)
+            elif a.kind is K.WAIT_REDUCE_GRAD:
+                if a.stage not in issued_reduce:
+                    raise _err(
+                        f"{where}: WAIT_REDUCE_GRAD for stage {a.stage} before its REDUCE_GRAD"
+                    )
+                issued_reduce.discard(a.stage)
+        for key in sorted(have, key=str):
+            src, dst, payload, mb, _ = key
+            raise _err(
+                f"rank {r}: the {payload.name.lower()} of stage {src} -> {dst}, microbatch {mb} is "
+                "received or handed over but never consumed (unconsumed RECV)"
+            )
+    for key, (r, i, a) in recvs.items():
+        if key not in sends:
+            raise _err(
+                f"rank {r}, action {i} ({a}): RECV without a matching SEND on rank {sched.placement[key[0]]}"
+            )
+    for key, (r, i, a) in sends.items():
+        if key not in recvs:
+            raise _err(
+                f"rank {r}, action {i} ({a}): SEND without a matching RECV on rank {sched.placement[key[1]]}"
+            )

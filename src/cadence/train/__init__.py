@@ -1,0 +1,57 @@
+"""``cadence train``: train the embedded TinyGPT with any mix of DP, FSDP and PP.
+
+Modules, one concern each (each importing only those before it):
+
+- ``config``: `TrainConfig` (validated, torch-free) and the `Layout` it implies.
+- ``build``: the model, its data-parallel wrapper, the pipeline, the optimizer,
+  gathered in a `TrainState`.
+- ``loop``: `train_step` (one optimizer step, any layout) and `run_loop`.
+- ``report``: progress bar, summary table, ``metrics.json``.
+- ``run``: `run_rank` (one rank's run) and `train` (launch, run, report).
+
+Names are imported on first use, so reading `TrainConfig` does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cadence._lazy import lazy_getattr
+
+_LAZY = {
+    "Layout": "cadence.train.config:Layout",
+    "TrainConfig": "cadence.train.config:TrainConfig",
+    "TrainConfigError": "cadence.train.config:TrainConfigError",
+    "TrainState": "cadence.train.build:TrainState",
+    "build_state": "cadence.train.build:build_state",
+    "run_loop": "cadence.train.loop:run_loop",
+    "train_step": "cadence.train.loop:train_step",
+    "run_rank": "cadence.train.run:run_rank",
+    "train": "cadence.train.run:train",
+}
+# ``cadence.train`` was one module; its parser hook moved to the one CLI module.
+_MOVED = {"add_train_subcommand": "cadence.cli:add_train_subcommand"}
+
+__getattr__ = lazy_getattr("cadence.train", _LAZY, globals(), _MOVED)
+
+if TYPE_CHECKING:  # static tools see the eager imports
+    from cadence.train.build import TrainState, build_state
+    from cadence.train.config import Layout, TrainConfig, TrainConfigError
+    from cadence.train.loop import run_loop, train_step
+    from cadence.train.run import run_rank, train
+
+__all__ = [
+    "Layout",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainState",
+    "build_state",
+    "run_loop",
+    "run_rank",
+    "train",
+    "train_step",
+]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,123 @@
+"""Build what a run trains: the model, its data-parallel wrapper, and the pipeline.
+
+One composition for every layout (see `Layout`):
+
+- ``pp == 1``: the whole TinyGPT, wrapped with ``DataParallel`` (default) or
+  ``fully_shard`` (``--fsdp``: each block, then the root).
+- ``pp > 1``: TinyGPT cut into ``pp x chunks`` stages; this rank keeps the stages
+  the schedule places on its pipeline position and wraps each the same way when
+  there are data-parallel replicas (or with ``--fsdp``), then `build_pipeline`
+  builds the runtime, which drives the wrappers through their public timing
+  verbs only.
+
+Every rank builds the same model from the same seed, so replicas start equal and
+a pipeline's stages are cut from one model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from cadence.comm import EventLog
+from cadence.data_parallel import DataParallel
+from cadence.fsdp import MixedPrecisionPolicy, fully_shard
+from cadence.models.data import MarkovTokens
+from cadence.models.gpt import Block, TinyGPT
+from cadence.pipeline.runtime.build import build_pipeline
+from cadence.pipeline.runtime.executor import PipelineRuntime
+from cadence.pipeline.schedule.generators import placement_for
+from cadence.topology import ParallelGroups, Topology
+from cadence.train.config import Layout, TrainConfig
+
+__all__ = ["TrainState", "build_state", "topology_for"]
+
+
+@dataclass
+class TrainState:
+    """Everything a run holds between steps (what a checkpoint would save).
+
+    Attributes:
+        layout: the resolved layout of the run.
+        groups: this rank's process groups.
+        model: pp=1: the wrapped model that a step calls; pp>1: ``None``.
+        runtime: pp>1: this rank's pipeline runtime; pp=1: ``None``.
+        modules: what the optimizer updates: ``[model]`` or this rank's stage modules.
+        optimizer: AdamW over ``modules``' parameters.
+        data: the synthetic token stream; step ``i`` reads its global batch ``i``.
+        step: the next step to run, which is also the data position.
+        event_log: every collective of the data-parallel wrappers.
+    """
+
+    layout: Layout
+    groups: ParallelGroups
+    model: nn.Module | None
+    runtime: PipelineRuntime | None
+    modules: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    data: MarkovTokens
+    step: int = 0
+    event_log: EventLog = field(default_factory=EventLog)
+
+
+def topology_for(layout: Layout) -> Topology:
+    """Pipeline outermost; data-parallel ranks shard with fully_shard, else replicate."""
+    if layout.wrapper == "fully_shard":
+        return Topology(dp_shard=layout.dp, pp=layout.pp)
+    return Topology(dp_replicate=layout.dp, pp=layout.pp)
+
+
+def _wrap(
+    module: nn.Module, cfg: TrainConfig, layout: Layout, pg: ParallelGroups, log: EventLog
+) -> nn.Module:
+    if layout.wrapper == "DataParallel":
+        assert layout.bucket_cap_mb is not None  # Layout sets it for DataParallel
+        return DataParallel(module, group=pg, bucket_cap_mb=layout.bucket_cap_mb, event_log=log)
+    if layout.wrapper == "fully_shard":
+        mp = None
+        if cfg.mixed_precision == "bf16":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # Blocks first, then the rest: a unit per block lets the all-gather of the
+        # next block overlap the compute of this one.
+        for block in [m for m in module.modules() if isinstance(m, Block)]:
+            fully_shard(block, group=pg, mp_policy=mp, event_log=log)
+        return fully_shard(module, group=pg, mp_policy=mp, event_log=log)
+    return module
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """TinyGPT's cross-entropy, in fp32 whatever the compute dtype."""
+    return TinyGPT.loss(logits.float(), target)
+
+
+def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
+    """Build the model (or this rank's stages), wrappers, pipeline and optimizer."""
+    layout = cfg.layout(pg.world_size)
+    log = EventLog()
+    torch.manual_seed(cfg.seed)
+    model = TinyGPT(cfg.model)  # same init on every rank
+    data = MarkovTokens(cfg.model.vocab_size, cfg.model.seq_len, seed=cfg.seed)
+    if layout.pp == 1:
+        wrapped = _wrap(model, cfg, layout, pg, log)  # pp=1 always has a wrapper
+        wrapped.set_manual_backward_finalization(cfg.finalize == "manual")  # type: ignore[operator]
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)
+        return TrainState(layout, pg, wrapped, None, [wrapped], opt, data, event_log=log)
+    chunks = model.split_stages(layout.stages)
+    placement = placement_for(layout.schedule, layout.pp, layout.chunks)
+    stages = {
+        s: _wrap(chunks[s], cfg, layout, pg, log) for s, r in placement.items() if r == pg.pp_rank
+    }
+    runtime = build_pipeline(
+        layout.schedule,
+        stages,
+        n_microbatches=layout.microbatches,
+        chunks=layout.chunks,
+        groups=pg,
+        loss_fn=loss_fn,
+    )
+    modules = [runtime.stages[s].module for s in sorted(runtime.stages)]
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    return TrainState(layout, pg, None, runtime, modules, opt, data, event_log=log)

@@ -1,0 +1,205 @@
+"""`TrainConfig`: the values of one ``cadence train`` run, and the layout they imply.
+
+Torch-free, so the ``cadence`` parser and a config file can be read and checked
+before anything heavy is imported. Every field is a plain value (a TOML table
+``[train]`` with these keys, and ``[train.model]`` for `GPTConfig`), documented
+under its declaration.
+
+[Note: every flag is honoured or refused]
+A flag the loop cannot honour is refused here, with the flag's name and the fix,
+before any process starts or any collective runs: a silently ignored flag makes a
+run that differs from the one asked for. So flags that only one layout uses have
+an "unset" default (``schedule=""``, ``microbatches=0``, ``chunks=0``,
+``bucket_cap_mb=None``) and are refused when set for another layout, e.g.
+``--schedule`` without ``--pp``, ``--bucket-cap-mb`` with ``--fsdp``, or
+``--finalize manual`` with ``--pp`` (there the schedule's REDUCE_GRAD and
+WAIT_REDUCE_GRAD actions decide when reductions finish).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cadence.errors import CadenceError
+from cadence.models.config import GPTConfig
+from cadence.pipeline.schedule.generators import canonical_name, default_chunks, generate
+from cadence.pipeline.schedule.ir import ActionKind
+
+__all__ = ["Layout", "TrainConfig", "TrainConfigError"]
+
+Wrapper = Literal["DataParallel", "fully_shard", "none"]
+# Used when --bucket-cap-mb is not given: small buckets, so the tiny model gets
+# several and its all-reduces overlap backward.
+DEFAULT_BUCKET_CAP_MB = 0.25
+
+
+class TrainConfigError(CadenceError, ValueError):
+    """A ``cadence train`` flag (or flag combination) the run cannot honour."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a `TrainConfig` runs on a world of ``world`` ranks (derived, validated)."""
+
+    world: int
+    pp: int
+    dp: int
+    wrapper: Wrapper
+    """What wraps the model (pp=1) or each local stage (pp>1) for data parallelism."""
+    schedule: str = ""
+    """Canonical generator name; "" when pp == 1."""
+    microbatches: int = 1
+    chunks: int = 1
+    bucket_cap_mb: float | None = None
+    """DataParallel's bucket cap; None unless the wrapper is DataParallel."""
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.chunks
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Values of one ``cadence train`` run, validated at construction.
+
+    See [Note: every flag is honoured or refused].
+    """
+
+    nproc: int = 2
+    """Local ranks to spawn. Under torchrun (RANK and WORLD_SIZE set) the launched
+    world is used instead."""
+    steps: int = 150
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Global batch per step; each data-parallel replica trains on its equal slice."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+    seed: int = 0
+    """Model initialisation and data seed (the same on every rank)."""
+    finalize: Literal["auto", "manual"] = "auto"
+    """pp=1: ``auto`` finishes gradient reductions at the end of backward; ``manual``
+    keeps them in flight while the loss is averaged, and waits before the optimizer."""
+    fsdp: bool = False
+    """Wrap with ``cadence.fully_shard`` (sharded over the data-parallel ranks) instead
+    of ``cadence.DataParallel``; with ``pp > 1`` each local stage is wrapped."""
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """``bf16`` computes in bfloat16 with fp32 reductions; needs ``fsdp``."""
+    pp: int = 1
+    """Pipeline ranks; the world is ``pp x dp``."""
+    schedule: str = ""
+    """Pipeline schedule (gpipe, 1f1b, interleaved, looped_bfs, zb_h1, zbv, dualpipev);
+    "" means 1f1b. Only with ``pp > 1``."""
+    microbatches: int = 0
+    """Microbatches per step; 0 means ``2 x pp``. Only with ``pp > 1``."""
+    chunks: int = 0
+    """Stages per pipeline rank; 0 means the schedule's default. Only with ``pp > 1``."""
+    model: GPTConfig = field(default_factory=GPTConfig)
+    """The TinyGPT shape; with ``pp > 1`` it needs at least one block per stage."""
+    bucket_cap_mb: float | None = None
+    """DataParallel's bucket size in MiB; None means 0.25. Only with DataParallel."""
+    run_dir: str = ""
+    """Where ``metrics.json`` goes; "" means ``runs/<timestamp>``."""
+    timeout: float = 1800.0
+    """Seconds before a hung local launch is stopped."""
+
+    def __post_init__(self) -> None:
+        err = TrainConfigError
+        if self.finalize not in ("auto", "manual"):
+            raise err(f"--finalize must be auto or manual, got {self.finalize!r}")
+        if self.mixed_precision not in ("none", "bf16"):
+            raise err(f"--mixed-precision must be none or bf16, got {self.mixed_precision!r}")
+        if self.mixed_precision != "none" and not self.fsdp:
+            raise err("--mixed-precision needs --fsdp (DataParallel keeps fp32 params)")
+        if self.nproc < 1 or self.steps < 1 or self.batch_size < 1:
+            raise err("--nproc, --steps and --batch-size must be >= 1")
+        if self.pp < 1:
+            raise err("--pp must be >= 1")
+        if self.microbatches < 0 or self.chunks < 0:
+            raise err("--microbatches and --chunks must be >= 0 (0 picks the default)")
+        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+            raise err(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
+        self.layout()  # everything that depends on the world size
+
+    @property
+    def world_size(self) -> int:
+        """The launched world under torchrun, else ``nproc``."""
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            return int(os.environ["WORLD_SIZE"])
+        return self.nproc
+
+    def layout(self, world: int | None = None) -> Layout:
+        """Resolve the defaults for a world of ``world`` ranks (default `world_size`)
+        and refuse what that world cannot run. Raises `TrainConfigError`."""
+        world = self.world_size if world is None else world
+        if world % self.pp:
+            raise TrainConfigError(f"--pp {self.pp} must divide the world size {world}")
+        dp = world // self.pp
+        if self.fsdp:
+            wrapper: Wrapper = "fully_shard"
+        elif self.pp == 1 or dp > 1:
+            wrapper = "DataParallel"
+        else:
+            wrapper = "none"  # pp ranks only: nothing to reduce across replicas
+        if self.bucket_cap_mb is not None and wrapper != "DataParallel":
+            raise TrainConfigError(
+                f"--bucket-cap-mb sets DataParallel's buckets, but this run wraps with "
+                f"{wrapper}; drop the flag"
+            )
+        cap = (self.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) if wrapper == "DataParallel" else None
+        if self.pp == 1:
+            return self._data_parallel_layout(world, wrapper, cap)
+        return self._pipeline_layout(world, dp, wrapper, cap)
+
+    def _data_parallel_layout(self, world: int, wrapper: Wrapper, cap: float | None) -> Layout:
+        unused = [
+            flag
+            for flag, value in (
+                ("--schedule", self.schedule),
+                ("--microbatches", self.microbatches),
+                ("--chunks", self.chunks),
+            )
+            if value
+        ]
+        if unused:
+            raise TrainConfigError(f"{', '.join(unused)} need --pp > 1 (a pipeline)")
+        if self.batch_size % world:
+            raise TrainConfigError(
+                f"--batch-size {self.batch_size} must be divisible by the {world} ranks"
+            )
+        return Layout(world, 1, world, wrapper, bucket_cap_mb=cap)
+
+    def _pipeline_layout(self, world: int, dp: int, wrapper: Wrapper, cap: float | None) -> Layout:
+        if self.finalize != "auto":
+            raise TrainConfigError(
+                "--finalize manual needs --pp 1: in a pipeline the schedule's REDUCE_GRAD "
+                "and WAIT_REDUCE_GRAD actions decide when each stage's reduction finishes"
+            )
+        name = canonical_name(self.schedule or "1f1b")
+        v = self.chunks or default_chunks(name)
+        m = self.microbatches or 2 * self.pp
+        if self.batch_size % (dp * m):
+            raise TrainConfigError(
+                f"--batch-size {self.batch_size} must be a multiple of dp ({dp}) x "
+                f"microbatches ({m}) = {dp * m}"
+            )
+        if self.model.n_layers < self.pp * v:
+            raise TrainConfigError(
+                f"--layers {self.model.n_layers} gives fewer blocks than the {self.pp * v} "
+                f"pipeline stages (--pp {self.pp} x chunks {v}); use --layers {self.pp * v} "
+                "or more"
+            )
+        # The generator refuses (p, m, v) it cannot schedule, with the rule it breaks.
+        sched = generate(name, self.pp, m, v)
+        split = any(
+            c.kind is ActionKind.W for r in sched.ranks for a in r for c in a.compute_parts()
+        )
+        if wrapper != "none" and split:
+            why = "--fsdp" if wrapper == "fully_shard" else f"dp={dp} (DataParallel stages)"
+            raise TrainConfigError(
+                f"--schedule {name} splits backward into I and W, which data-parallel "
+                f"stages cannot take ({why}); use gpipe, 1f1b, interleaved or looped_bfs, "
+                "or run the pipeline without data parallelism"
+            )
+        return Layout(world, self.pp, dp, wrapper, name, m, v, cap)

@@ -1,0 +1,116 @@
+"""The training loop: one step function for every layout, and the loss for logging.
+
+[Note: the logged loss]
+Each data-parallel replica trains on its slice of the step's global batch, so the
+step's loss is the mean over replicas of each replica's mean loss, which equals the
+mean loss over the global batch (the slices are equal). In a pipeline only the
+rank holding the last stage computes the loss: it is broadcast over the pp group
+first, then averaged over the replicas. Every rank ends with the same value.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from cadence.comm import Comm
+from cadence.train.build import TrainState, loss_fn
+
+__all__ = ["LoopResult", "run_loop", "train_step"]
+
+
+@dataclass
+class LoopResult:
+    """What a run measured on this rank."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def step_time_median_s(self) -> float:
+        return statistics.median(self.step_times) if self.step_times else float("nan")
+
+
+class _LossReducer:
+    """See [Note: the logged loss]."""
+
+    def __init__(self, state: TrainState) -> None:
+        pg, layout = state.groups, state.layout
+        self.pp = Comm(pg.pp, name="pp-loss") if layout.pp > 1 else None
+        self.dp = Comm(pg.dp, name="dp-loss") if layout.dp > 1 else None
+        self.owner = 0
+        if state.runtime is not None:
+            self.owner = state.runtime.placement[state.runtime.num_stages - 1]
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        if self.pp is not None:
+            self.pp.broadcast(local, src=self.owner)
+        if self.dp is not None:
+            self.dp.all_reduce(local, op="avg")
+        return local
+
+
+def train_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, reduce_loss: Callable) -> float:
+    """One optimizer step on this rank's rows ``x``, ``y``; returns the logged loss.
+
+    The step advances ``state.step``. With ``--finalize manual`` (pp=1) the gradient
+    reductions stay in flight while the loss is averaged, and are waited only
+    before the optimizer reads the gradients.
+    """
+    if state.runtime is not None:
+        losses: list[torch.Tensor] = []
+        state.runtime.step(x, target=y, losses=losses)
+        # Only the last stage's rank has losses; the others get theirs by broadcast.
+        local = state.runtime.policy.combine(losses).reshape(1) if losses else torch.zeros(1)
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        loss = reduce_loss(local)
+    else:
+        model = state.model
+        assert model is not None
+        out = loss_fn(model(x), y)
+        out.backward()
+        metric = out.detach().reshape(1)
+        if model.require_manual_backward_finalization:  # type: ignore[union-attr]
+            handle = model.finalize_backward(async_op=True)  # type: ignore[operator]
+            loss = reduce_loss(metric)
+            if handle is not None:
+                handle.wait()
+            state.optimizer.step()
+        else:
+            state.optimizer.step()
+            loss = reduce_loss(metric)
+        state.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    return float(loss)
+
+
+def run_loop(
+    state: TrainState,
+    steps: int,
+    batch_size: int,
+    on_step: Callable[[int, float], None] | None = None,
+) -> LoopResult:
+    """Run ``steps`` steps from ``state.step``; ``on_step(step, loss)`` after each.
+
+    Step ``i`` trains on global batch ``i`` of the data stream, sliced to this
+    rank's data-parallel replica (`ParallelGroups.local_slice`), so the run is the
+    same whatever the layout.
+    """
+    rows = state.groups.local_slice(batch_size)
+    reduce_loss = _LossReducer(state)
+    result = LoopResult()
+    for _ in range(steps):
+        step = state.step
+        t0 = time.perf_counter()
+        x, y = state.data.batch(step, batch_size)
+        loss = train_step(state, x[rows], y[rows], reduce_loss)
+        result.step_times.append(time.perf_counter() - t0)
+        result.losses.append(loss)
+        if on_step is not None:
+            on_step(step, loss)
+    return result

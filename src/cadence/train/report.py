@@ -1,0 +1,109 @@
+"""What a run shows and keeps: the progress bar, the summary table, ``metrics.json``.
+
+Rank 0 reports. The summary is a plain dict (JSON-ready); ``metrics.json`` holds
+the config, the summary, every step's loss and rank 0's collective counts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from cadence.train.config import Layout, TrainConfig
+
+__all__ = ["ProgressBar", "print_table", "summarize", "write_metrics"]
+
+
+class ProgressBar:
+    """A progress bar on a terminal; one line per tenth of the run in a log file."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.started = time.perf_counter()
+
+    def __call__(self, step: int, loss: float) -> None:
+        total = self.total
+        tty = sys.stderr.isatty()
+        if not tty and (step + 1) % max(1, total // 10) and step + 1 != total:
+            return
+        width = 30
+        done = int(width * (step + 1) / total)
+        rate = (step + 1) / max(time.perf_counter() - self.started, 1e-9)
+        sys.stderr.write(
+            f"{chr(13) if tty else ''}[{'#' * done}{'.' * (width - done)}] step {step + 1}/"
+            f"{total}  loss {loss:.4f}  {rate:.1f} it/s"
+        )
+        if step + 1 == total or not tty:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[str, Any]:
+    """The summary table's values (also ``metrics.json["summary"]``)."""
+    losses = result["losses"]
+    tokens_per_step = cfg.batch_size * cfg.model.seq_len
+    step_s = result["step_time_median_s"]
+    mode = "pipeline" if layout.pp > 1 else layout.wrapper
+    return {
+        "mode": mode,
+        "wrapper": layout.wrapper,
+        "world_size": layout.world,
+        "finalize": cfg.finalize if layout.pp == 1 else "schedule",
+        "steps": len(losses),
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "tokens_per_s": tokens_per_step / step_s if step_s > 0 else float("nan"),
+        "step_time_median_ms": step_s * 1e3,
+        "comm_exposed_ms_total": result["comm_exposed_s"] * 1e3,
+        "comm_hidden_ms_total": result["comm_hidden_s"] * 1e3,
+    }
+
+
+def _ms(value: float) -> str:
+    # NaN: nothing to report (a pipeline without data-parallel stages has no
+    # reductions; its P2P time is not split into exposed and hidden).
+    return "n/a" if value != value else f"{value:.1f} ms"
+
+
+def print_table(summary: dict[str, Any], run_dir: Path) -> None:
+    rows = [
+        ("mode", summary["mode"]),
+        ("wrapper", summary["wrapper"]),
+        ("ranks", summary["world_size"]),
+        ("finalize", summary["finalize"]),
+        ("steps", summary["steps"]),
+        ("first loss", f"{summary['first_loss']:.4f}"),
+        ("last loss", f"{summary['last_loss']:.4f}"),
+        ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
+        ("median step", f"{summary['step_time_median_ms']:.1f} ms"),
+        ("comm exposed (total)", _ms(summary["comm_exposed_ms_total"])),
+        ("comm hidden (total)", _ms(summary["comm_hidden_ms_total"])),
+        ("run folder", str(run_dir)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 30)
+    print(line)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(line)
+
+
+def write_metrics(
+    cfg: TrainConfig, summary: dict[str, Any], result: dict[str, Any], run_dir: Path
+) -> Path:
+    """``run_dir/metrics.json``: config, summary, losses, collectives, pipeline facts."""
+    metrics = {
+        "config": asdict(cfg),
+        "summary": summary,
+        "losses": result["losses"],
+        "collectives_rank0": result["collectives"],
+    }
+    if "pipeline" in result:
+        metrics["pipeline"] = result["pipeline"]
+    path = run_dir / "metrics.json"
+    path.write_text(json.dumps(metrics, indent=2))
+    return path

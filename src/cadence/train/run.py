@@ -1,0 +1,78 @@
+"""``cadence train`` end to end: launch the ranks, run each, report on rank 0.
+
+Runs on ``--nproc`` local ranks (spawned with `cadence.launch`), or on the ranks
+torchrun started (when ``RANK``/``WORLD_SIZE`` are set).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cadence._dist_init import init
+from cadence.launch import launch
+from cadence.train.build import build_state, topology_for
+from cadence.train.config import TrainConfig
+from cadence.train.loop import run_loop
+from cadence.train.report import ProgressBar, print_table, summarize, write_metrics
+
+__all__ = ["run_rank", "train"]
+
+
+def run_rank(cfg: TrainConfig) -> dict[str, Any]:
+    """One rank's whole run (called in each spawned rank, or directly under torchrun)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.nproc)))
+    # Validated for the real world size before the first collective (init).
+    layout = cfg.layout()
+    pg = init(topology_for(layout))
+    state = build_state(cfg, pg)
+    bar = ProgressBar(cfg.steps) if pg.rank == 0 else None
+    result = run_loop(state, cfg.steps, cfg.batch_size, bar)
+    log = state.event_log
+    reduced = layout.wrapper != "none"
+    out: dict[str, Any] = {
+        "losses": result.losses,
+        "step_time_median_s": result.step_time_median_s,
+        "comm_exposed_s": log.wait_time("all_reduce", "reduce_scatter")
+        if reduced
+        else float("nan"),
+        "comm_hidden_s": log.in_flight_time("all_reduce", "reduce_scatter")
+        if reduced
+        else float("nan"),
+        "collectives": log.counts(),
+    }
+    if layout.pp > 1:
+        out["pipeline"] = {
+            "first_loss": result.losses[0],
+            "final_loss": result.losses[-1],
+            "steps": cfg.steps,
+            "step_time_median_s": result.step_time_median_s,
+            "schedule": layout.schedule,
+            "pp": layout.pp,
+            "dp": layout.dp,
+            "chunks": layout.chunks,
+            "n_microbatches": layout.microbatches,
+            "wrapper": layout.wrapper,
+        }
+    return out
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run ``cadence train``; returns rank 0's summary and writes ``metrics.json``."""
+    layout = cfg.layout()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        result = run_rank(cfg)
+        if int(os.environ["RANK"]) != 0:
+            return {}
+    else:
+        result = launch(run_rank, cfg, nprocs=cfg.nproc, timeout=cfg.timeout)[0]
+    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(cfg, layout, result)
+    write_metrics(cfg, summary, result, run_dir)
+    print_table(summary, run_dir)
+    return summary

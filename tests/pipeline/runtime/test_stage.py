@@ -1,0 +1,107 @@
+"""Stage, microbatching and loss policy in one process (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cadence.errors import CadenceError
+from cadence.pipeline.runtime import (
+    LossPolicy,
+    PipelineStage,
+    PipelineStateError,
+    PipelineUsageError,
+    StageShapeError,
+    TensorMeta,
+    merge_microbatches,
+    split_microbatches,
+)
+from cadence.testing import assert_close, named_grads
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_split_backward_equals_full_backward(first):
+    x = torch.randn(4, 8)
+    g = torch.randn(4, 8)
+    full, split = _mlp(0), _mlp(0)
+    a = PipelineStage(full, 0 if first else 1, 3)
+    b = PipelineStage(split, 0 if first else 1, 3)
+    a.forward(0, (x,))
+    b.forward(0, (x,))
+    da = a.backward(0, (g,))
+    db = b.backward_input(0, (g,))
+    if not first:
+        assert_close(db, da, atol=0)
+        assert all(p.grad is None for p in split.parameters())  # I touches no weight
+    b.backward_weight(0)
+    assert_close(named_grads(split), named_grads(full), atol=1e-7)
+
+
+def test_stage_state_errors():
+    st = PipelineStage(_mlp(0), 1, 2)
+    with pytest.raises(PipelineStateError, match="W without a preceding I"):
+        st.backward_weight(3)
+    with pytest.raises(PipelineStateError, match="backward without a forward"):
+        st.backward(0, (torch.zeros(4, 8),))
+    with pytest.raises(PipelineStateError, match="input metadata is not known yet"):
+        st.input_buffers()
+    with pytest.raises(PipelineUsageError, match=r"stage_index=2 must be in \[0, num_stages=2\)"):
+        PipelineStage(_mlp(0), 2, 2)
+    with pytest.raises(TypeError, match="must return a tensor or a tuple of tensors, got dict"):
+        PipelineStage(_ReturnsDict(), 0, 2).infer_output_meta((torch.zeros(1),))
+
+
+class _ReturnsDict(nn.Module):
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"y": x}
+
+
+def test_shape_checks_on_entry_and_exit():
+    st = PipelineStage(_mlp(0), 1, 3, input_meta=TensorMeta((4, 8), torch.float32))
+    with pytest.raises(StageShapeError, match=r"got shape \(3, 8\).*expects shape \(4, 8\)"):
+        st.forward(0, (torch.randn(3, 8),), how="received")
+    st = PipelineStage(_mlp(0), 1, 3, output_meta=TensorMeta((4, 9), torch.float32))
+    with pytest.raises(StageShapeError, match="output 0"):
+        st.forward(0, (torch.randn(4, 8),))
+
+
+def test_split_uneven_batch_names_the_fix():
+    with pytest.raises(ValueError, match=r"batch size 10.*4 equal microbatches.*multiple of 4"):
+        split_microbatches([torch.zeros(10, 3)], 4)
+    parts = split_microbatches([torch.arange(8), "flag"], 4)
+    assert [p[1] for p in parts] == ["flag"] * 4
+    assert torch.equal(merge_microbatches([(p[0],) for p in parts]), torch.arange(8))
+
+
+def test_loss_policy():
+    assert LossPolicy().scale(4) == 0.25
+    assert LossPolicy("sum").scale(4) == 1.0
+    with pytest.raises(PipelineUsageError, match="use 'mean'"):
+        LossPolicy("avg")  # type: ignore[arg-type]
+
+
+def test_errors_are_cadence_errors_with_builtin_bases():
+    from cadence.pipeline.runtime import PipelineRuntimeError, PlanMismatchError
+    from cadence.pipeline.schedule import (
+        FifoMismatchError,
+        ScheduleDeadlockError,
+        ScheduleValidationError,
+    )
+
+    for cls, base in [
+        (PipelineUsageError, ValueError),
+        (StageShapeError, ValueError),
+        (PipelineStateError, RuntimeError),
+        (PlanMismatchError, RuntimeError),
+        (PipelineRuntimeError, RuntimeError),
+        (ScheduleValidationError, ValueError),
+        (FifoMismatchError, ScheduleValidationError),
+        (ScheduleDeadlockError, RuntimeError),
+    ]:
+        assert issubclass(cls, CadenceError) and issubclass(cls, base), cls

@@ -1,0 +1,87 @@
+"""`TrainConfig`: every flag is honoured or refused, before any process starts.
+
+Pure logic: no process group, no torch needed (the layout resolves against a
+given world size). Each refusal has its own test and names the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.models.config import GPTConfig
+from cadence.pipeline.schedule import ScheduleValidationError
+from cadence.train.config import Layout, TrainConfig, TrainConfigError
+
+
+def test_defaults_resolve_to_data_parallel() -> None:
+    assert TrainConfig().layout() == Layout(2, 1, 2, "DataParallel", bucket_cap_mb=0.25)
+    fsdp = TrainConfig(fsdp=True, mixed_precision="bf16").layout()
+    assert (fsdp.wrapper, fsdp.bucket_cap_mb) == ("fully_shard", None)
+
+
+def test_pipeline_defaults_and_wrappers() -> None:
+    two = TrainConfig(pp=2).layout()
+    assert (two.schedule, two.microbatches, two.chunks, two.dp, two.wrapper) == (
+        "1f1b",
+        4,
+        1,
+        1,
+        "none",
+    )
+    inter = TrainConfig(pp=2, schedule="Interleaved1F1B", nproc=4).layout()
+    assert (inter.schedule, inter.chunks, inter.stages, inter.dp) == ("interleaved", 2, 4, 2)
+    assert inter.wrapper == "DataParallel"  # dp > 1: each stage is wrapped
+    assert TrainConfig(pp=2, nproc=4, fsdp=True).layout().wrapper == "fully_shard"
+    # --fsdp is honoured with dp = 1 too (it is how bf16 compute is asked for)
+    assert TrainConfig(pp=2, fsdp=True, mixed_precision="bf16").layout().wrapper == "fully_shard"
+
+
+def test_world_size_comes_from_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    cfg = TrainConfig(pp=2, nproc=1)  # nproc is ignored under torchrun
+    assert cfg.world_size == 4 and cfg.layout().dp == 2
+
+
+REFUSED = [
+    (dict(mixed_precision="bf16"), "--mixed-precision needs --fsdp"),
+    (dict(mixed_precision="fp8"), "--mixed-precision must be none or bf16"),
+    (dict(finalize="later"), "--finalize must be auto or manual"),
+    (dict(batch_size=33, nproc=2), "--batch-size 33 must be divisible by the 2 ranks"),
+    (dict(steps=0), "--nproc, --steps and --batch-size must be >= 1"),
+    (dict(pp=0), "--pp must be >= 1"),
+    (dict(microbatches=-1), "--microbatches and --chunks must be >= 0"),
+    (dict(bucket_cap_mb=0.0), "--bucket-cap-mb must be > 0"),
+    (dict(schedule="zbv"), "--schedule need --pp > 1"),
+    (dict(microbatches=4, chunks=2), "--microbatches, --chunks need --pp > 1"),
+    (dict(fsdp=True, bucket_cap_mb=1.0), "--bucket-cap-mb sets DataParallel's buckets"),
+    (dict(pp=2, bucket_cap_mb=1.0), "this run wraps with none"),
+    (dict(pp=3), "--pp 3 must divide the world size 2"),
+    (dict(pp=2, finalize="manual"), "--finalize manual needs --pp 1"),
+    (dict(pp=2, nproc=4, batch_size=12), "must be a multiple of dp (2) x microbatches (4) = 8"),
+    (
+        dict(pp=2, schedule="interleaved", chunks=4),
+        "--layers 4 gives fewer blocks than the 8 pipeline stages",
+    ),
+    (dict(pp=2, nproc=4, schedule="zbv"), "dp=2 (DataParallel stages)"),
+    (dict(pp=2, fsdp=True, schedule="zb_h1"), "splits backward into I and W"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), REFUSED, ids=[m for _, m in REFUSED])
+def test_refused(flags: dict, message: str) -> None:
+    with pytest.raises(TrainConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**flags)
+
+
+def test_schedule_rules_come_from_the_generator() -> None:
+    with pytest.raises(ScheduleValidationError, match="unknown schedule 'zz'"):
+        TrainConfig(pp=2, schedule="zz")
+    with pytest.raises(ScheduleValidationError, match="m divisible by p"):
+        TrainConfig(
+            pp=2, schedule="interleaved", microbatches=3, batch_size=6, model=GPTConfig(n_layers=4)
+        )
+
+
+def test_errors_are_value_errors() -> None:
+    assert issubclass(TrainConfigError, ValueError)

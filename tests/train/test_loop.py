@@ -1,0 +1,67 @@
+"""The one training loop composes DP, FSDP and PP: same data, same losses, any layout.
+
+Specification:
+- every layout trains on the same global batches from the same initial model, so
+  the first losses agree across layouts to float rounding, and stay within 1e-4
+  over a few steps (gradients are the global-batch mean in every layout);
+- pp=1 wraps the whole model (DataParallel by default, fully_shard with --fsdp);
+  pp>1 wraps each local stage the same way when there are replicas;
+- ``--finalize manual`` trains exactly like ``auto``; fsdp with bf16 compute learns.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cadence.testing import run_distributed
+from tests.train.bodies_train import body_layouts
+
+WORLD2 = [
+    {},
+    {"finalize": "manual"},
+    {"fsdp": True, "mixed_precision": "bf16", "steps": 12},
+]
+WORLD4 = [
+    {},
+    {"pp": 2, "schedule": "interleaved"},
+    {"pp": 2, "fsdp": True},
+    {"pp": 4},
+]
+
+
+def _by_flags(results: list[dict]) -> list[dict]:
+    """rank 0's result per flag set, in grid order; every rank logged the same losses."""
+    for res in results[1:]:
+        for label, r in res.items():
+            assert r["losses"] == results[0][label]["losses"], label
+    return list(results[0].values())
+
+
+def test_world2_finalize_modes_and_fsdp_bf16():
+    auto, manual, bf16 = _by_flags(run_distributed(body_layouts, WORLD2, world_size=2, timeout=150))
+    assert auto["modules"] == ["DataParallel"] and auto["step"] == 3
+    assert manual["losses"] == auto["losses"]
+    assert bf16["modules"] == ["FullyShardTinyGPT"] and bf16["wrapper"] == "fully_shard"
+    assert bf16["losses"][0] > 3.5 and bf16["losses"][-1] < bf16["losses"][0] - 0.5
+
+
+@pytest.mark.slow
+def test_world4_layouts_train_alike():
+    dp4, pp2_dp, pp2_fsdp, pp4 = _by_flags(
+        run_distributed(body_layouts, WORLD4, world_size=4, timeout=200)
+    )
+    assert dp4["modules"] == ["DataParallel"]
+    assert pp2_dp["wrapper"] == "DataParallel" and set(pp2_dp["modules"]) == {"DataParallel"}
+    assert len(pp2_dp["modules"]) == 2  # interleaved: two local stages, each wrapped
+    assert pp2_fsdp["wrapper"] == "fully_shard" and pp2_fsdp["modules"] == ["FullyShardSequential"]
+    assert pp4["wrapper"] == "none" and pp4["modules"] == ["Sequential"]
+    for other in (pp2_dp, pp2_fsdp):
+        # Replicas reduce gradients with the wrapper's own collective.
+        assert (
+            other["collectives"].get("all_reduce", 0)
+            + other["collectives"].get("reduce_scatter", 0)
+            > 0
+        )
+    for other in (pp2_dp, pp2_fsdp, pp4):
+        assert abs(other["losses"][0] - dp4["losses"][0]) < 1e-5, (other, dp4)
+        assert max(abs(a - b) for a, b in zip(other["losses"], dp4["losses"])) < 1e-4
