@@ -26,9 +26,6 @@ KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset(
         {"cadence", "cadence.pipeline", "cadence.pipeline._build", "cadence.pipeline.runtime"}
     ),
-    frozenset(
-        {"cadence.pickling._paths", "cadence.pickling._pickler", "cadence.pickling._reducers"}
-    ),
     frozenset({"cadence.pipeline.passes", "cadence.pipeline.sim"}),
     frozenset({"cadence.fsdp._state", "cadence.fsdp._unit"}),
 }
@@ -47,7 +44,6 @@ KNOWN_OUTSIDE_REFS: set[str] = {
     "src/cadence/pipeline/stage.py",
     "tests/fsdp/test_fsdp_parity.py",
     "tests/fsdp/test_fsdp_semantics.py",
-    "tests/pickling/test_behaviours.py",
     "tests/pipeline/test_parity_schedules.py",
     "tests/pipeline/test_schedule_sim.py",
     "tests/pipeline/test_schedule_validation.py",
