@@ -1,4 +1,4 @@
-"""Deterministic containers: sets written in sorted order.
+"""Deterministic payloads: sets written in sorted order, names written as copies.
 
 [Note: deterministic containers] The C pickler writes a set in its iteration order,
 which for ``str`` elements changes with PYTHONHASHSEED, and it never consults
@@ -18,7 +18,50 @@ from typing import Any
 from cadence.pickling._state import DumpState
 
 # Everything not listed here is private to cadence.pickling.
-__all__ = ["SortedSet", "canonical", "canonical_dict", "has_set", "stable_sorted"]
+__all__ = [
+    "SortedSet",
+    "canonical",
+    "canonical_dict",
+    "has_set",
+    "name",
+    "name_cache_generation",
+    "stable_sorted",
+]
+
+
+# [Note: names in the payload] The pickler memoizes strings by identity: two references
+# to one str object are written once, two equal str objects twice. Identifiers are
+# interned by the compiler, so in the defining process a method named ``join``, a
+# variable ``join`` and a dataclass field ``"join"`` are one object; in a process that
+# loaded them, CodeType() and setattr() intern some of them again and the unpickler
+# interns none, so they are several objects. Re-pickling what was loaded would then give
+# other bytes. So every name the reducers take from code objects, class dicts, function
+# dicts and module namespaces goes through :func:`name`, which returns this process's
+# private copy of it: all those names share that copy (written once per payload), and no
+# object outside the pickler ever holds it, in any process. One-character strings are
+# the interpreter's shared singletons instead, as the unpickler makes them.
+
+_NAMES: dict[str, str] = {}
+_NAMES_LIMIT = 1 << 16
+_generation = [0]
+
+
+def name(s: str) -> str:
+    """This process's private copy of the identifier ``s`` (see [Note: names in the payload])."""
+    copy = _NAMES.get(s)
+    if copy is None:
+        if len(_NAMES) >= _NAMES_LIMIT:
+            # Code that mints names without end: start over. Caches that hold copies
+            # (the code object cache) check the generation and start over too.
+            _NAMES.clear()
+            _generation[0] += 1
+        one = len(s) == 1 and s < "\u0100"
+        copy = _NAMES[s] = chr(ord(s)) if one else "".join(s)
+    return copy
+
+
+def name_cache_generation() -> int:
+    return _generation[0]
 
 
 class SortedSet:

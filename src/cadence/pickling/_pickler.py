@@ -26,12 +26,7 @@ from typing import Any
 from cadence.pickling._canonical import canonical
 from cadence.pickling._errors import PrunedSlotWarning, RecursionDepthError
 from cadence.pickling._paths import Step, deepest_path, find_path, format_path, root_label
-from cadence.pickling._reducers import (
-    REDUCERS,
-    class_reduce,
-    object_reduce,
-    register_optional_reducers,
-)
+from cadence.pickling._reducers import DISPATCH, dispatch, register_optional_reducers
 from cadence.pickling._state import DumpState
 
 # Everything not listed here is private to cadence.pickling.
@@ -40,7 +35,7 @@ __all__ = ["DEFAULT_PROTOCOL", "Pickler", "dump", "dumps", "load", "loads"]
 DEFAULT_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _MAX_PRUNES = 64
 
-_get_reducer = REDUCERS.get
+_cached_reducer = DISPATCH.get
 
 
 class Pickler(pickle.Pickler):
@@ -64,15 +59,15 @@ class Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         state = self._state
         state.last = obj
-        reducer = _get_reducer(type(obj))
-        if reducer is not None:
-            return reducer(state, obj)
-        if isinstance(obj, type):
-            return class_reduce(state, obj)
-        return object_reduce(state, obj, getattr(self, "dispatch_table", None))
+        t = type(obj)
+        reducer = _cached_reducer(t)
+        if reducer is None:
+            reducer = dispatch(t)
+        return reducer(state, obj)
 
     def dump(self, obj: Any) -> None:
         state = self._state
+        state.table = getattr(self, "dispatch_table", None)
         pruned_messages: list[str] = []
         for _ in range(_MAX_PRUNES + 1):
             self._buf.seek(0)

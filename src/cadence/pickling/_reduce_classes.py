@@ -18,7 +18,7 @@ from typing import Any
 
 from cadence.pickling import _reconstructors as R
 from cadence.pickling import _reconstructors_data as D
-from cadence.pickling._canonical import canonical
+from cadence.pickling._canonical import canonical, name
 from cadence.pickling._lookup import is_registered_by_value, lookup_by_reference
 from cadence.pickling._state import DumpState
 from cadence.pickling._tracker import tracker_id
@@ -64,10 +64,9 @@ def class_getstate(state: DumpState, cls: type) -> tuple[dict[str, Any], list[ty
     skip = _CLASS_DICT_SKIP.union(slots) if slots else _CLASS_DICT_SKIP
     if isinstance(cls, enum.EnumMeta):
         skip = skip | _ENUM_DICT_SKIP | set(cls.__members__)
-    # Names through state.name (see [Note: names in the payload]), sorted: a loaded
+    # Names through name() (see [Note: names in the payload]), sorted: a loaded
     # class's dict has another order than the original's (the skeleton gets __doc__ at
     # creation, before the other attributes), and the order is written into the payload.
-    name = state.name
     attrs = {name(k): canonical(state, clsdict[k]) for k in sorted(clsdict) if k not in skip}
     attrs.pop("__slots__", None)  # slots were given at creation
     return attrs, registry
@@ -79,7 +78,7 @@ def _class_sort_key(cls: type) -> tuple[str, str]:
 
 def _class_type_kwargs(state: DumpState, cls: type) -> dict[str, Any]:
     module = cls.__module__
-    kwargs: dict[str, Any] = {"__module__": state.name(module) if type(module) is str else module}
+    kwargs: dict[str, Any] = {"__module__": name(module) if type(module) is str else module}
     if "__slots__" in cls.__dict__:
         kwargs["__slots__"] = cls.__dict__["__slots__"]
     if "__orig_bases__" in cls.__dict__:
@@ -105,7 +104,6 @@ def class_reduce(state: DumpState, cls: type) -> Any:
     if cls.__module__ == "builtins" or lookup_by_reference(cls):
         return NotImplemented
     tid = tracker_id(cls)
-    name = state.name
     if isinstance(cls, enum.EnumMeta):
         members = {name(k): m._value_ for k, m in cls.__members__.items()}
         return (
@@ -180,10 +178,10 @@ _DATACLASS_SENTINELS = {
 
 
 def _dataclass_sentinel_reduce(state: DumpState, obj: Any) -> Any:
-    name = _DATACLASS_SENTINELS.get(id(obj))
-    if name is None:
+    sentinel = _DATACLASS_SENTINELS.get(id(obj))
+    if sentinel is None:
         return NotImplemented
-    return R._dataclass_sentinel, (name,)
+    return R._dataclass_sentinel, (sentinel,)
 
 
 def _mappingproxy_reduce(state: DumpState, proxy: types.MappingProxyType[Any, Any]) -> Any:
@@ -216,7 +214,7 @@ def _typevar_reduce(state: DumpState, tv: Any) -> Any:
     if _by_name(tv):
         return NotImplemented
     return R._make_typevar, (
-        state.name(tv.__name__),
+        name(tv.__name__),
         tv.__bound__,
         tv.__constraints__,
         tv.__covariant__,
@@ -230,22 +228,22 @@ def _paramspec_reduce(state: DumpState, ps: Any) -> Any:
         return NotImplemented
     options = {"bound": ps.__bound__, "covariant": ps.__covariant__,
                "contravariant": ps.__contravariant__}  # fmt: skip
-    return R._make_typing_param, ("ParamSpec", state.name(ps.__name__), options, tracker_id(ps))
+    return R._make_typing_param, ("ParamSpec", name(ps.__name__), options, tracker_id(ps))
 
 
 def _typevartuple_reduce(state: DumpState, tvt: Any) -> Any:
     if _by_name(tvt):
         return NotImplemented
-    return R._make_typing_param, ("TypeVarTuple", state.name(tvt.__name__), {}, tracker_id(tvt))
+    return R._make_typing_param, ("TypeVarTuple", name(tvt.__name__), {}, tracker_id(tvt))
 
 
 def _newtype_reduce(state: DumpState, nt: Any) -> Any:
     if _by_name(nt):
         return NotImplemented
     return R._make_newtype, (
-        state.name(nt.__name__),
+        name(nt.__name__),
         nt.__supertype__,
-        state.name(nt.__module__),
+        name(nt.__module__),
         tracker_id(nt),
     )
 

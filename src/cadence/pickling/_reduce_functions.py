@@ -18,10 +18,19 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 from typing import Any
 
 from cadence.pickling import _reconstructors as R
-from cadence.pickling._canonical import canonical, canonical_dict
+from cadence.pickling import _reconstructors_data as D
+from cadence.pickling._canonical import (
+    SortedSet,
+    canonical,
+    canonical_dict,
+    name,
+    name_cache_generation,
+    stable_sorted,
+)
 from cadence.pickling._lookup import (
     code_attribute_names,
     code_global_names,
@@ -54,16 +63,15 @@ def function_getstate(state: DumpState, func: types.FunctionType) -> dict[str, A
     g = func.__globals__
     names = code_global_names(code)
     if names:
-        name = state.name
         gvals = {name(n): canonical(state, g[n]) for n in names if n in g and n != "__builtins__"}
         if gvals:
             out["@globals"] = gvals
 
     if func.__closure__:
         contents: dict[str, Any] = {}
-        for name, cell in zip(code.co_freevars, func.__closure__):
+        for var, cell in zip(code.co_freevars, func.__closure__):
             try:
-                contents[state.name(name)] = canonical(state, cell.cell_contents)
+                contents[name(var)] = canonical(state, cell.cell_contents)
             except ValueError:  # an empty cell stays empty (reading it raises NameError)
                 pass
         if contents:
@@ -80,9 +88,9 @@ def function_getstate(state: DumpState, func: types.FunctionType) -> dict[str, A
             out["@submodules"] = subs
 
     if func.__dict__:
-        # Keys through state.name (see [Note: names in the payload]).
+        # Keys through name() (see [Note: names in the payload]).
         d = {
-            state.name(k) if type(k) is str else k: canonical(state, v)
+            name(k) if type(k) is str else k: canonical(state, v)
             for k, v in func.__dict__.items()
             if ("__dict__", k) not in pruned
         }
@@ -106,13 +114,13 @@ def function_getstate(state: DumpState, func: types.FunctionType) -> dict[str, A
     # FunctionType takes __qualname__ from co_qualname (3.11+); carry it only when it was
     # reassigned, e.g. by functools.wraps. Older Pythons always carry it.
     if func.__qualname__ != getattr(code, "co_qualname", None):
-        out["@qualname"] = _maybe_name(state, func.__qualname__)
-    out["@module"] = _maybe_name(state, func.__module__)
+        out["@qualname"] = _maybe_name(func.__qualname__)
+    out["@module"] = _maybe_name(func.__module__)
     return out
 
 
-def _maybe_name(state: DumpState, value: Any) -> Any:
-    return state.name(value) if type(value) is str else value
+def _maybe_name(value: Any) -> Any:
+    return name(value) if type(value) is str else value
 
 
 # [Note: code tuples] The compiler shares equal constant tuples between the code objects
@@ -122,48 +130,68 @@ def _maybe_name(state: DumpState, value: Any) -> Any:
 # loaded the class emits a second copy, and re-pickling a loaded class would give other
 # bytes. So each name tuple is rebuilt here, from this payload's copies of the names
 # (see [Note: names in the payload]), and so are the string constants.
-def _names(state: DumpState, names: tuple[str, ...]) -> tuple[str, ...]:
-    name = state.name
+def _names(names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple([name(n) for n in names])
 
 
-def _const(state: DumpState, c: Any) -> Any:
-    return state.name(c) if type(c) is str else canonical(state, c)
+def _const(c: Any) -> Any:
+    # CodeType interns string constants, also inside tuples and frozensets: copy them as
+    # names. A frozenset constant (``x in {"a", "b"}``) is written sorted.
+    t = type(c)
+    if t is str:
+        return name(c)
+    if t is tuple:
+        return tuple([_const(v) for v in c])
+    if t is frozenset:
+        return SortedSet(frozenset, stable_sorted(_const(v) for v in c))
+    return c
 
 
 if sys.version_info >= (3, 11):
 
-    def _code_args(state: DumpState, code: types.CodeType) -> tuple[Any, ...]:
-        name = state.name
+    def _code_args(code: types.CodeType) -> tuple[Any, ...]:
         return (
             code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount,
             code.co_nlocals, code.co_stacksize, code.co_flags, code.co_code,
-            tuple([_const(state, c) for c in code.co_consts]), _names(state, code.co_names),
-            _names(state, code.co_varnames), name(code.co_filename), name(code.co_name),
+            tuple([_const(c) for c in code.co_consts]), _names(code.co_names),
+            _names(code.co_varnames), name(code.co_filename), name(code.co_name),
             name(code.co_qualname), code.co_firstlineno, code.co_linetable,
-            code.co_exceptiontable, _names(state, code.co_freevars),
-            _names(state, code.co_cellvars),
+            code.co_exceptiontable, _names(code.co_freevars), _names(code.co_cellvars),
         )  # fmt: skip
 
 else:  # pragma: no cover - 3.10
 
-    def _code_args(state: DumpState, code: types.CodeType) -> tuple[Any, ...]:
-        name = state.name
+    def _code_args(code: types.CodeType) -> tuple[Any, ...]:
         return (
             code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount,
             code.co_nlocals, code.co_stacksize, code.co_flags, code.co_code,
-            tuple([_const(state, c) for c in code.co_consts]), _names(state, code.co_names),
-            _names(state, code.co_varnames), name(code.co_filename), name(code.co_name),
-            code.co_firstlineno, code.co_linetable, _names(state, code.co_freevars),
-            _names(state, code.co_cellvars),
+            tuple([_const(c) for c in code.co_consts]), _names(code.co_names),
+            _names(code.co_varnames), name(code.co_filename), name(code.co_name),
+            code.co_firstlineno, code.co_linetable, _names(code.co_freevars),
+            _names(code.co_cellvars),
         )  # fmt: skip
 
 
 _VERSION = tuple(sys.version_info[:2])
+# Code objects are immutable, so their reduce arguments are computed once per code
+# object, not once per dump: a payload of a thousand closures from one factory, or the
+# same step function sent every iteration, pays for it once. Keyed by id with a weak
+# reference that proves the id was not reused; tied to the generation of the name copies
+# it holds (see [Note: names in the payload]).
+_CODE_ARGS: dict[int, tuple[weakref.ref[types.CodeType], int, tuple[Any, ...]]] = {}
+_CODE_ARGS_LIMIT = 4096
 
 
 def code_reduce(state: DumpState, code: types.CodeType) -> tuple[Any, ...]:
-    return R._make_code, (_VERSION, _code_args(state, code))
+    generation = name_cache_generation()
+    hit = _CODE_ARGS.get(id(code))
+    if hit is not None and hit[0]() is code and hit[1] == generation:
+        return hit[2]
+    rv = (R._make_code, (_VERSION, _code_args(code)))
+    if len(_CODE_ARGS) >= _CODE_ARGS_LIMIT:
+        _CODE_ARGS.clear()
+    _CODE_ARGS[id(code)] = (weakref.ref(code), generation, rv)
+    return rv
 
 
 def cell_reduce(state: DumpState, cell: types.CellType) -> tuple[Any, ...]:
@@ -187,16 +215,26 @@ def _globals_skeleton(state: DumpState, g: dict[str, Any]) -> dict[str, Any]:
     # (recursion, a registry dict holding it) terminates.
     base = state.globals_skeletons.get(id(g))
     if base is None:
-        base = {"__name__": _maybe_name(state, g.get("__name__"))}
+        base = {"__name__": _maybe_name(g.get("__name__"))}
         if g.get("__package__") is not None:
-            base["__package__"] = _maybe_name(state, g["__package__"])
+            base["__package__"] = _maybe_name(g["__package__"])
         state.globals_skeletons[id(g)] = base
         state.keepalive.append(g)
     return base
 
 
+# The reconstructors every payload names: known to go by reference, so the name walk is
+# skipped for them (it would run for each one in every dump).
+_RECONSTRUCTORS = frozenset(
+    f
+    for module in (R, D)
+    for f in vars(module).values()
+    if isinstance(f, types.FunctionType) and f.__module__ == module.__name__
+)
+
+
 def function_reduce(state: DumpState, func: types.FunctionType) -> Any:
-    if lookup_by_reference(func):
+    if func in _RECONSTRUCTORS or lookup_by_reference(func):
         return NotImplemented  # the C pickler writes a GLOBAL opcode
     closure = func.__closure__
     if closure:
@@ -207,10 +245,10 @@ def function_reduce(state: DumpState, func: types.FunctionType) -> Any:
     # The name travels only when it differs from co_name (wraps renames): a second copy
     # of an equal string would be memoized or not depending on string identity, which
     # differs between the dumping process and one that reloaded the function.
-    name = None if func.__name__ == code.co_name else _maybe_name(state, func.__name__)
+    fname = None if func.__name__ == code.co_name else _maybe_name(func.__name__)
     return (
         R._make_function,
-        (code, base, name, closure),
+        (code, base, fname, closure),
         function_getstate(state, func),
         None,
         None,
@@ -226,17 +264,15 @@ def method_reduce(state: DumpState, method: types.MethodType) -> Any:
 
 
 def module_reduce(state: DumpState, module: types.ModuleType) -> Any:
-    name = module.__name__
-    if sys.modules.get(name) is module and not is_registered_by_value(name):
-        return R._import_module, (state.name(name),)
+    modname = module.__name__
+    if sys.modules.get(modname) is module and not is_registered_by_value(modname):
+        return R._import_module, (name(modname),)
     # A module that exists only here (made with types.ModuleType) or one registered by
     # value travels with its namespace, as the state of an empty module that is memoized
     # first (a function of the module that reads the module finds it in the memo).
     # ``__builtins__`` stays behind: some libraries put unpicklable objects in it, and
     # the loading side has builtins of its own.
     ns = {
-        _maybe_name(state, k): canonical(state, v)
-        for k, v in vars(module).items()
-        if k != "__builtins__"
+        _maybe_name(k): canonical(state, v) for k, v in vars(module).items() if k != "__builtins__"
     }
-    return R._make_dynamic_module, (state.name(name),), ns, None, None, R._module_setstate
+    return R._make_dynamic_module, (name(modname),), ns, None, None, R._module_setstate

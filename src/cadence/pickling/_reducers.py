@@ -4,7 +4,8 @@
 class-body objects and typing objects in ``_reduce_classes``, built-in data in
 ``_reduce_builtins``). Classes of any metaclass go to ``class_reduce``. Any other object
 goes to :func:`object_reduce`, which leaves it to the C pickler unless its state holds a
-set (see [Note: deterministic containers]).
+set (see [Note: deterministic containers]). :func:`dispatch` makes that choice once per
+type.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from cadence.pickling._reduce_functions import (
 from cadence.pickling._state import DumpState
 
 # Everything not listed here is private to cadence.pickling.
-__all__ = ["REDUCERS", "class_reduce", "object_reduce", "register_optional_reducers"]
+__all__ = ["DISPATCH", "REDUCERS", "dispatch", "register_optional_reducers"]
 
 
 def _own_reduce(state: DumpState, obj: Any) -> Any:
@@ -64,10 +65,39 @@ def register_optional_reducers() -> None:
         extra = torch_reducers()
         if extra:
             REDUCERS.update(extra)
+            DISPATCH.clear()
             _torch_done = True
 
 
-_PLAIN_TYPES: dict[type, bool] = {}
+# [Note: dispatch cache] ``reducer_override`` runs for every object the C pickler does
+# not handle itself (everything but None, bools, ints, floats, str, bytes and the exact
+# built-in containers), so its per-object cost is the pickler's cost on instance-heavy
+# payloads. The decision "which reducer" depends on the type only, so it is made once per
+# type and cached: a type listed in REDUCERS, any class (a type of type), a subclass of a
+# type whose reducer serves subclasses, a "plain" type (default reduce, no slots, no
+# copyreg entry) whose instances only need their __dict__ checked for sets, or anything
+# else. The cache is cleared when it grows past a bound (dynamic classes come and go).
+DISPATCH: dict[type, Any] = {}
+_DISPATCH_LIMIT = 4096
+
+
+def dispatch(t: type) -> Any:
+    """The reducer for objects of exact type ``t`` (see [Note: dispatch cache])."""
+    reducer = REDUCERS.get(t)
+    if reducer is None:
+        if issubclass(t, type):
+            reducer = class_reduce
+        else:
+            for base, sub_reducer in SUBCLASS_REDUCERS.items():
+                if issubclass(t, base):
+                    reducer = sub_reducer
+                    break
+            else:
+                reducer = _plain_reduce if _is_plain_type(t) else object_reduce
+    if len(DISPATCH) >= _DISPATCH_LIMIT:
+        DISPATCH.clear()
+    DISPATCH[t] = reducer
+    return reducer
 
 
 def _is_plain_type(t: type) -> bool:
@@ -80,29 +110,29 @@ def _is_plain_type(t: type) -> bool:
     )
 
 
-def object_reduce(state: DumpState, obj: Any, table: Any) -> Any:
+_SET_TYPES = (set, frozenset)
+
+
+def _plain_reduce(state: DumpState, obj: Any) -> Any:
+    # The common instance: default reduce, state is its __dict__. Left to the C pickler
+    # unless that dict holds a set. (A plain loop: any() over a generator costs a frame.)
+    d = getattr(obj, "__dict__", None)
+    if d is not None:
+        for v in d.values():
+            if type(v) in _SET_TYPES:
+                return object_reduce(state, obj)
+    return NotImplemented
+
+
+def object_reduce(state: DumpState, obj: Any) -> Any:
     """Any other object: its own reduce, with sets in its state made deterministic.
 
-    ``table`` is the pickler's ``dispatch_table`` (or None). Objects with an entry there
-    or in ``copyreg.dispatch_table`` are left to the C pickler, so those tables keep their
+    Objects with an entry in the pickler's ``dispatch_table`` or in
+    ``copyreg.dispatch_table`` are left to the C pickler, so those tables keep their
     precedence. The state is copied only when it holds a set.
     """
     t = type(obj)
-    plain = _PLAIN_TYPES.get(t)
-    if plain is None:
-        for base, reducer in SUBCLASS_REDUCERS.items():
-            if issubclass(t, base):
-                REDUCERS[t] = reducer  # found by exact type from now on
-                return reducer(state, obj)
-        if len(_PLAIN_TYPES) > 4096:  # bound the cache; dynamic classes come and go
-            _PLAIN_TYPES.clear()
-        plain = _PLAIN_TYPES[t] = _is_plain_type(t)
-    if plain:
-        # The common instance: default reduce, state is its __dict__. Leave it to the C
-        # pickler unless that dict holds a set.
-        d = getattr(obj, "__dict__", None)
-        if d is None or not has_set(d.values()):
-            return NotImplemented
+    table = state.table
     if t in copyreg.dispatch_table or (table is not None and t in table):
         return NotImplemented
     reduce_ex = getattr(obj, "__reduce_ex__", None)

@@ -2,17 +2,6 @@
 
 A reducer receives this object, never the pickler itself, so the reducers, the error
 path walk and the pickler depend on this module and not on each other.
-
-[Note: names in the payload] The pickler memoizes strings by identity: two references
-to one str object are written once, two equal str objects twice. Identifiers are
-interned by the compiler, so in the defining process a method named ``join``, a
-variable ``join`` and a dataclass field ``"join"`` are one object; in a process that
-loaded them, CodeType() and setattr() intern some of them again and the unpickler
-interns none, so they are several objects. Re-pickling what was loaded would then give
-other bytes. So every name the reducers take from code objects, class dicts and function
-dicts goes through ``DumpState.name``: a copy made once per payload and per value. All
-those names share that copy (written once), and no string outside them ever is it, in
-any process.
 """
 
 from __future__ import annotations
@@ -37,11 +26,11 @@ class DumpState:
         "globals_skeletons",
         "keepalive",
         "last",
-        "names",
         "protocol",
         "pruned",
         "set_proxies",
         "storages",
+        "table",
     )
 
     def __init__(self, protocol: int) -> None:
@@ -62,18 +51,8 @@ class DumpState:
         # survives a restart: it is what the restart is for.
         self.pruned: dict[int, set[tuple[Any, ...]]] = {}
         self.keepalive: list[Any] = []
-        # str -> this payload's own copy of it (see [Note: names in the payload]).
-        self.names: dict[str, str] = {}
-
-    def name(self, s: str) -> str:
-        """This payload's copy of the identifier ``s`` (see [Note: names in the payload])."""
-        copy = self.names.get(s)
-        if copy is None:
-            # "".join makes a new object, except for one character, where it gives the
-            # string back: use the interpreter's singleton then, as canonical() does.
-            one = len(s) == 1 and s < "\u0100"
-            copy = self.names[s] = chr(ord(s)) if one else "".join(s)
-        return copy
+        # The pickler's dispatch_table (set by the user on the instance), read per dump.
+        self.table: Any = None
 
     def restart(self) -> None:
         """Forget everything a failed attempt cached, except what it decided to prune."""
@@ -82,4 +61,3 @@ class DumpState:
         self.globals_skeletons.clear()
         self.set_proxies.clear()
         self.storages.clear()
-        self.names.clear()
