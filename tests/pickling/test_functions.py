@@ -389,14 +389,58 @@ def test_relative_import_inside_function(protocol):
     assert (f2(), g2()) == ("hello from a module!", "hello from a package!")
 
 
-def test_extended_arg_globals(protocol):
-    # More than 65535 globals: LOAD_GLOBAL needs EXTENDED_ARG prefixes.
+@functools.cache
+def _function_with_65k_globals():
+    # More than 65535 globals: LOAD_GLOBAL needs two EXTENDED_ARG prefixes.
     names = [f"g{i}" for i in range(1, 65537 + 258)]
     d = {name: i % 100 for i, name in enumerate(names)}
     exec(f"def f():\n    return sum(({', '.join(names)}))\n", d)
-    f = d["f"]
+    return d["f"]
+
+
+def test_extended_arg_globals(protocol):
+    f = _function_with_65k_globals()
     f2, f3 = rt([f, f], protocol)
     assert f2 is f3 and f2() == f()
+
+
+def test_global_name_scan_agrees_with_dis():
+    # The fast bytecode scan (see [Note: scanning bytecode]) against dis, on every code
+    # object of a few stdlib modules and on a function whose globals need EXTENDED_ARG.
+    # (test_extended_arg_globals covers two prefixes by calling the loaded function.)
+    import dataclasses
+    import dis
+    import json.decoder
+    import typing as typing_module
+
+    from cadence.pickling import _lookup
+
+    ops = {"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL"}
+
+    def codes(obj, out):
+        for v in vars(obj).values():
+            if isinstance(v, types.FunctionType) and v.__code__ not in out:
+                out.append(v.__code__)
+            elif isinstance(v, type) and v.__module__ == obj.__name__:
+                for m in vars(v).values():
+                    if isinstance(m, types.FunctionType):
+                        out.append(m.__code__)
+        return out
+
+    names = [f"h{i}" for i in range(300)]
+    ns: dict = {}
+    exec(f"def f():\n    global h299\n    h299 = 1\n    return ({', '.join(names)})\n", ns)
+    all_codes = [ns["f"].__code__]
+    for module in (dataclasses, json.decoder, typing_module, functools):
+        codes(module, all_codes)
+    assert len(all_codes) > 300
+    for code in all_codes:
+        expected: dict = {}
+        for sub in _lookup._nested_codes(code):
+            for instr in dis.get_instructions(sub):
+                if instr.opname in ops:
+                    expected.setdefault(instr.argval, None)
+        assert _lookup.code_global_names(code) == tuple(expected), code.co_qualname
 
 
 # B22 / B23 / B26: methods, partials, callables ---------------------------------------------
