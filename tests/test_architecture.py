@@ -35,7 +35,6 @@ KNOWN_OUTSIDE_REFS: set[str] = {
     "bench/bench_pipeline.py",
     "docs/bench_dp.md",
     "docs/bench_pipeline.md",
-    "docs/pickling.md",
     "docs/pipeline.md",
     "src/cadence/pipeline/_build.py",
     "src/cadence/pipeline/generators.py",
