@@ -205,6 +205,44 @@ with section("interactive_enum"):
 
     assert w.run(check_positive, 1) is Color.BLUE
 
+with section("interactive_abc"):
+    import abc
+
+    class Shape(abc.ABC):
+        @abc.abstractmethod
+        def area(self): ...
+
+        @classmethod
+        @abc.abstractmethod
+        def unit(cls): ...
+
+    class Square(Shape):
+        def area(self):
+            return 4
+
+        @classmethod
+        def unit(cls):
+            return cls()
+
+    class Virtual:
+        pass
+
+    Shape.register(Virtual)
+
+    def check_abc(shape, square, virtual):
+        try:
+            shape()
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("the loaded ABC is instantiable")
+        assert isinstance(square, shape) and isinstance(virtual, shape)
+        return square.unit().area()
+
+    assert w.run(check_abc, Shape, Square(), Virtual()) == 4
+    back_shape, back_square = w.run(echo, Shape, Square())
+    assert back_shape is Shape and isinstance(back_square, Shape)
+
 with section("interactive_dataclass"):
 
     @dataclasses.dataclass

@@ -211,6 +211,11 @@ def test_stateful_stdlib_objects(protocol):
     assert rt(int | str, protocol) == (int | str)
 
 
+def test_numpy_ufunc_by_reference(protocol):
+    np = pytest.importorskip("numpy")
+    assert rt(np.add, protocol) is np.add
+
+
 def test_container_subclasses_in_instance_state(protocol):
     class Box:
         def __init__(self):
@@ -274,4 +279,5 @@ def test_dump_load_file_every_protocol(tmp_path):
         with open(path, "rb") as fh:
             assert pickling.load(fh)(1) == proto + 1
     assert pickling.DEFAULT_PROTOCOL == pickle.HIGHEST_PROTOCOL
+    assert pickling.CloudPickler is pickling.Pickler  # cloudpickle's older name
     assert pickling.loads(pickling.dumps((1, 2))) == (1, 2)

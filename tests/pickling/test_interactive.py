@@ -25,6 +25,7 @@ SECTIONS = [
     "dynamic_class_and_remote_instances",
     "dynamic_class_and_stored_remote_instances",
     "interactive_enum",
+    "interactive_abc",
     "interactive_dataclass",
     "typing_objects_tracked_across_processes",
     "class_with_type_hints_in_worker",

@@ -43,9 +43,13 @@ from cadence.pickling._restricted import (
 )
 from cadence.pickling._signed import dumps_signed, loads_signed
 
+# cloudpickle's older name for its Pickler, so code written against it keeps working.
+CloudPickler = Pickler
+
 __all__ = [
     "DEFAULT_PROTOCOL",
     "Allowlist",
+    "CloudPickler",
     "EnvelopeError",
     "ForbiddenGlobalError",
     "IncompatiblePayloadError",

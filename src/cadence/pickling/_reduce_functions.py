@@ -128,8 +128,8 @@ def _maybe_name(value: Any) -> Any:
 # tuple), but a loaded code object has tuples of its own. If the pickler wrote the
 # original tuples, the first process would emit a memo reference where a process that
 # loaded the class emits a second copy, and re-pickling a loaded class would give other
-# bytes. So each name tuple is rebuilt here, from this payload's copies of the names
-# (see [Note: names in the payload]), and so are the string constants.
+# bytes. So each name tuple is rebuilt here, from the private copies of the names (see
+# [Note: names in the payload]), and so are the string constants.
 def _names(names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple([name(n) for n in names])
 

@@ -31,12 +31,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cadence.pickling._errors import IncompatiblePayloadError, SignatureError
+from cadence.pickling._errors import EnvelopeError, IncompatiblePayloadError, SignatureError
 from cadence.pickling._pickler import dumps
 from cadence.pickling._restricted import Allowlist, loads_restricted
 
 # Everything not listed here is private to cadence.pickling.
-__all__ = ["FORMAT_VERSION", "dumps_signed", "loads_signed"]
+__all__ = [
+    "FORMAT_VERSION",
+    "EnvelopeError",  # defined in _errors; also importable from here, where it used to be
+    "IncompatiblePayloadError",
+    "SignatureError",
+    "dumps_signed",
+    "loads_signed",
+]
 
 MAGIC = b"CDNCPK"
 FORMAT_VERSION = 1

@@ -30,6 +30,7 @@ and under every PYTHONHASHSEED.
 from __future__ import annotations
 
 import hashlib
+import threading
 import types
 import weakref
 from typing import Any
@@ -44,6 +45,8 @@ _ID_OF: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 # methods for copies).
 _COMPLETE: weakref.WeakSet[Any] = weakref.WeakSet()
 _ORDINALS: dict[str, int] = {}
+# Two threads dumping (or loading) the same new class at once must agree on one id.
+_LOCK = threading.Lock()
 _LITERALS = (str, bytes, int, float, complex, bool, type(None), type(Ellipsis))
 
 
@@ -101,7 +104,12 @@ def _fingerprint(obj: Any) -> str:
 def tracker_id(obj: Any) -> str:
     """The tracker id of a class or typing object pickled by value (made on first use)."""
     tid = _ID_OF.get(obj)
-    if tid is None:
+    if tid is not None:
+        return tid
+    with _LOCK:
+        tid = _ID_OF.get(obj)
+        if tid is not None:
+            return tid
         name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
         key = f"{getattr(obj, '__module__', None)}:{name}"
         fp = _fingerprint(obj)
@@ -124,12 +132,13 @@ def lookup(tid: str) -> Any:
 
 def track(tid: str, obj: Any) -> Any:
     """Track a freshly loaded ``obj`` under ``tid``; return the object to use."""
-    existing = _BY_ID.get(tid)
-    if existing is not None:
-        return existing
-    _BY_ID[tid] = obj
-    _ID_OF[obj] = tid
-    return obj
+    with _LOCK:
+        existing = _BY_ID.get(tid)
+        if existing is not None:
+            return existing
+        _BY_ID[tid] = obj
+        _ID_OF[obj] = tid
+        return obj
 
 
 def is_complete(cls: Any) -> bool:
