@@ -72,9 +72,10 @@ def _typing(obj: Any) -> None:
 
 
 def _data(obj: Any) -> None:
-    assert list(obj["keys"]) == ["a", "b"] and list(obj["items"]) == [("x", 1)]
-    assert obj["view"].format == "i" and obj["view"].tolist()[0] == 0x03020100
-    assert obj["set"] == {"a", "b"} and obj["frozen"] == frozenset({1, 3})
+    keys, items, view, strings, frozen = obj
+    assert list(keys) == ["a", "b"] and list(items) == [("x", 1)]
+    assert view.format == "i" and view.tolist()[0] == int.from_bytes(bytes(range(4)), "little")
+    assert strings == {"a", "b"} and frozen == frozenset({1, 3})
 
 
 CHECKS: dict[str, Callable[[Any], None]] = {
