@@ -22,16 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 MAX_LINES = 600
 
-KNOWN_CYCLES: set[frozenset[str]] = {
-    frozenset(
-        {"cadence.pickling._paths", "cadence.pickling._pickler", "cadence.pickling._reducers"}
-    ),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_LONG: set[str] = set()
-KNOWN_OUTSIDE_REFS: set[str] = {
-    "docs/pickling.md",
-    "tests/pickling/test_behaviours.py",
-}
+KNOWN_OUTSIDE_REFS: set[str] = set()
 
 _OUTSIDE_REF = re.compile(
     r"\bissues?\s*#?\d+\b|design (note|table)|shared/design|§|the note's"

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cadence import pickling
+from tests.pickling._harness import PROTOCOLS
+
+# Hypothesis and function-scoped fixtures do not mix: the protocols are a parametrization.
+per_protocol = pytest.mark.parametrize("protocol", PROTOCOLS, ids=[f"p{p}" for p in PROTOCOLS])
 
 # A nest is built from a plan: each level closes over a constant, optionally over the
 # previous level (a chain), optionally shares a mutable cell with a sibling, and has
@@ -54,12 +59,13 @@ def build(plan):
     return funcs
 
 
-@settings(max_examples=40, deadline=None)
+@per_protocol
+@settings(max_examples=25, deadline=None)
 @given(st.lists(level, min_size=1, max_size=6), st.integers(-10, 10))
-def test_closure_nests_round_trip(plan, x):
+def test_closure_nests_round_trip(protocol, plan, x):
     original = build(plan)
     expected = build(plan)  # a twin, so calling it does not disturb `original`
-    loaded = pickle.loads(pickling.dumps(original))
+    loaded = pickle.loads(pickling.dumps(original, protocol=protocol))
     for f_orig, f_new in zip(expected, loaded):
         assert f_new(x) == f_orig(x)
         assert f_new(x, 1, mul=3) == f_orig(x, 1, mul=3)
@@ -68,7 +74,8 @@ def test_closure_nests_round_trip(plan, x):
         assert getattr(f_new, "tag", None) == getattr(f_orig, "tag", None)
 
 
-@settings(max_examples=60, deadline=None)
+@per_protocol
+@settings(max_examples=40, deadline=None)
 @given(
     st.recursive(
         st.one_of(st.integers(), st.text(max_size=4), st.none(), st.floats(allow_nan=False)),
@@ -81,9 +88,9 @@ def test_closure_nests_round_trip(plan, x):
         max_leaves=20,
     )
 )
-def test_plain_data_matches_the_standard_pickler(value):
+def test_plain_data_matches_the_standard_pickler(protocol, value):
     def make():
         return lambda: value
 
-    assert pickle.loads(pickling.dumps(value)) == value
-    assert pickle.loads(pickling.dumps(make()))() == value
+    assert pickle.loads(pickling.dumps(value, protocol=protocol)) == value
+    assert pickle.loads(pickling.dumps(make(), protocol=protocol))() == value

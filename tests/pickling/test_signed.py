@@ -33,8 +33,9 @@ def _payload():
     return pickling.dumps_signed(lambda x: x * k, KEY)
 
 
-def test_round_trip_and_key_rotation(spy):
-    data = _payload()
+def test_round_trip_and_key_rotation(spy, protocol):
+    k = 3
+    data = pickling.dumps_signed(lambda x: x * k, KEY, protocol=protocol)
     assert pickling.loads_signed(data, KEY)(2) == 6
     assert pickling.loads_signed(data, [b"old-key", KEY])(3) == 9
     assert len(spy) == 2

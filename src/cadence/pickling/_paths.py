@@ -6,7 +6,8 @@ from the root finds it by identity, along the same edges the reducers follow, an
 a path such as ``make.<locals>.fn.__closure__['cfg'].lock``. Each step also says whether
 its edge is an *optional* function slot (see [Note: slot policy]), which is how the
 pickler decides what it may prune. The walk runs only after a failure, so it costs
-nothing on a successful dump.
+nothing on a successful dump. It is iterative (a queue, not recursion), so it also runs
+after a RecursionError, once the stack has unwound.
 """
 
 from __future__ import annotations
@@ -15,15 +16,13 @@ import functools
 import types
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from cadence.pickling._lookup import code_global_names, lookup_by_reference
-
-if TYPE_CHECKING:
-    from cadence.pickling._pickler import Pickler
+from cadence.pickling._state import DumpState
 
 # Everything not listed here is private to cadence.pickling.
-__all__ = ["Step", "find_path", "format_path", "root_label"]
+__all__ = ["Step", "deepest_path", "find_path", "format_path", "root_label"]
 
 _ATOMS = (str, bytes, bytearray, int, float, complex, bool, type(None), type(Ellipsis))
 _MAX_NODES = 200_000
@@ -132,44 +131,80 @@ def _children(obj: Any, protocol: int) -> Iterator[Step]:
                     yield Step("<state>", obj, rv[2], None)
 
 
-def find_path(pickler: Pickler, root: Any, target: Any) -> list[Step] | None:
+_DEEPEST = object()
+
+
+def find_path(state: DumpState, root: Any, target: Any) -> list[Step] | None:
     """The shortest path from ``root`` to ``target`` (by identity), or None."""
+    return _walk(state, root, target)
+
+
+def deepest_path(state: DumpState, root: Any) -> list[Step] | None:
+    """A path from ``root`` to one of the most deeply nested objects it reaches.
+
+    The C pickler calls ``reducer_override`` for neither lists nor dicts nor tuples, so
+    when a nest of those exhausts the stack no recorded object says where: the deepest
+    point of the graph does.
+    """
+    return _walk(state, root, _DEEPEST)
+
+
+def _walk(state: DumpState, root: Any, target: Any) -> list[Step] | None:
     if root is target:
         return []
     parents: dict[int, Step | None] = {id(root): None}
     keep = [root]  # ids are only meaningful while the objects live
     queue = deque([root])
+    last: Step | None = None
     while queue and len(parents) < _MAX_NODES:
         node = queue.popleft()
         try:
-            children = list(_children(node, pickler._protocol))
+            children = list(_children(node, state.protocol))
         except Exception:
             continue
         for step in children:
-            if step.slot is not None and step.slot in pickler._pruned.get(id(step.owner), ()):
+            if step.slot is not None and step.slot in state.pruned.get(id(step.owner), ()):
                 continue  # pruned on an earlier try: the pickler no longer follows it
             cid = id(step.child)
             if cid in parents:
                 continue
-            parents[cid] = step
+            parents[cid] = last = step
             keep.append(step.child)
             if step.child is target:
-                path: list[Step] = []
-                s: Step | None = step
-                while s is not None:
-                    path.append(s)
-                    s = parents[id(s.owner)]
-                return path[::-1]
+                return _trace(parents, step)
             queue.append(step.child)
-    return None
+    # Breadth first: the last step taken reaches as deep as the walk went.
+    return _trace(parents, last) if target is _DEEPEST and last is not None else None
+
+
+def _trace(parents: dict[int, Step | None], step: Step) -> list[Step]:
+    path: list[Step] = []
+    s: Step | None = step
+    while s is not None:
+        path.append(s)
+        s = parents[id(s.owner)]
+    return path[::-1]
 
 
 def root_label(root: Any) -> str:
-    qualname = getattr(root, "__qualname__", None)
-    if isinstance(root, (types.FunctionType, type)) and isinstance(qualname, str):
-        return qualname
+    # Only type() and slots of the built-in types are read: the root may be an object
+    # whose __getattribute__ raises, or recurses without end.
+    t = type(root)
+    if t is types.FunctionType:
+        return str(root.__qualname__)
+    if issubclass(t, type):  # a class, whatever its metaclass
+        return str(type.__dict__["__qualname__"].__get__(root))
     return "obj"
 
 
+_MAX_SHOWN = 24
+
+
 def format_path(root: Any, path: list[Step]) -> str:
-    return root_label(root) + "".join(s.label for s in path)
+    """``root.a[0]...``; a very long path (a deep nest) shows its two ends."""
+    labels = [s.label for s in path]
+    if len(labels) > _MAX_SHOWN:
+        half = _MAX_SHOWN // 2
+        hidden = len(labels) - 2 * half
+        labels = [*labels[:half], f"...({hidden} more steps)...", *labels[-half:]]
+    return root_label(root) + "".join(labels)

@@ -23,42 +23,19 @@ import sys
 import warnings
 from typing import Any
 
-from cadence.pickling._paths import find_path, format_path, root_label
-from cadence.pickling._reducers import REDUCERS, canonical, class_reduce, object_reduce
+from cadence.pickling._canonical import canonical
+from cadence.pickling._errors import PrunedSlotWarning, RecursionDepthError
+from cadence.pickling._paths import Step, deepest_path, find_path, format_path, root_label
+from cadence.pickling._reducers import DISPATCH, dispatch, register_optional_reducers
+from cadence.pickling._state import DumpState
 
 # Everything not listed here is private to cadence.pickling.
-__all__ = [
-    "DEFAULT_PROTOCOL",
-    "Pickler",
-    "PrunedSlotWarning",
-    "UnpicklableError",
-    "dump",
-    "dumps",
-    "load",
-    "loads",
-]
+__all__ = ["DEFAULT_PROTOCOL", "Pickler", "dump", "dumps", "load", "loads"]
 
 DEFAULT_PROTOCOL = pickle.HIGHEST_PROTOCOL
 _MAX_PRUNES = 64
 
-
-class UnpicklableError(pickle.PicklingError, TypeError):
-    """An object no pickler can rebuild (a generator, coroutine, frame or traceback).
-
-    A ``TypeError`` as well, so code catching the standard pickler's error still works.
-    """
-
-
-class PrunedSlotWarning(UserWarning):
-    """An optional function slot did not pickle and was left out of the payload."""
-
-
-class _NullFile:
-    def write(self, data: bytes) -> int:  # dumps() reads the buffer directly
-        return len(data)
-
-
-_get_reducer = REDUCERS.get
+_cached_reducer = DISPATCH.get
 
 
 class Pickler(pickle.Pickler):
@@ -68,50 +45,44 @@ class Pickler(pickle.Pickler):
     handle) or set ``dispatch_table`` as with the standard pickler.
     """
 
-    def __init__(
-        self, file: Any, protocol: int | None = None, buffer_callback: Any = None
-    ) -> None:
+    def __init__(self, file: Any, protocol: int | None = None, buffer_callback: Any = None) -> None:
         if protocol is None:
             protocol = DEFAULT_PROTOCOL
+        register_optional_reducers()
         self._file = file
         # The whole payload is built in memory first, so a dump that must restart (see
         # [Note: prune by retry]) never leaves half a payload in the caller's file.
         self._buf = io.BytesIO()
         super().__init__(self._buf, protocol=protocol, buffer_callback=buffer_callback)
-        self._protocol = protocol
-        self._last: Any = None
-        # id -> object caches; the objects are kept alive (in the values or in
-        # _keepalive) so an id cannot be reused by another object during the dump.
-        self._closure_cells: dict[int, Any] = {}
-        self._globals_skeletons: dict[int, dict[str, Any]] = {}
-        self._set_proxies: dict[int, Any] = {}
-        self._pruned: dict[int, set[tuple[Any, ...]]] = {}
-        self._keepalive: list[Any] = []
+        self._state = DumpState(int(protocol))
 
     def reducer_override(self, obj: Any) -> Any:
-        self._last = obj
-        reducer = _get_reducer(type(obj))
-        if reducer is not None:
-            return reducer(self, obj)
-        if isinstance(obj, type):
-            return class_reduce(self, obj)
-        return object_reduce(self, obj)
+        state = self._state
+        state.last = obj
+        t = type(obj)
+        reducer = _cached_reducer(t)
+        if reducer is None:
+            reducer = dispatch(t)
+        return reducer(state, obj)
 
     def dump(self, obj: Any) -> None:
+        state = self._state
+        state.table = getattr(self, "dispatch_table", None)
         pruned_messages: list[str] = []
         for _ in range(_MAX_PRUNES + 1):
             self._buf.seek(0)
             self._buf.truncate()
             try:
-                super().dump(canonical(self, obj))
+                super().dump(canonical(state, obj))
                 break
             except RecursionError as exc:
-                # The stack is exhausted: do not walk the graph to find a path.
-                raise pickle.PicklingError(
-                    f"could not pickle {root_label(obj)}: the object graph nests deeper than "
-                    f"the recursion limit allows (sys.getrecursionlimit() == "
-                    f"{sys.getrecursionlimit()}); flatten the structure or raise the limit "
-                    "with sys.setrecursionlimit"
+                # The stack has unwound by now, so the (iterative) path walks can run.
+                raise RecursionDepthError(
+                    f"could not pickle {root_label(obj)}: the object graph nests deeper "
+                    "than the recursion limit allows (sys.getrecursionlimit() == "
+                    f"{sys.getrecursionlimit()}); reached via "
+                    f"{self._where(obj, self._path_to_recursion(obj))}; flatten "
+                    "the structure or raise the limit with sys.setrecursionlimit"
                 ) from exc
             except Exception as exc:
                 message = self._prune_or_annotate(obj, exc)
@@ -119,28 +90,50 @@ class Pickler(pickle.Pickler):
                     raise
                 pruned_messages.append(message)
                 self.clear_memo()
+                state.restart()
         else:  # pragma: no cover - needs more than _MAX_PRUNES unpicklable slots
             raise pickle.PicklingError(f"gave up after pruning {_MAX_PRUNES} slots")
-        self._last = None
+        state.last = None
         for message in pruned_messages:
             warnings.warn(message, PrunedSlotWarning, stacklevel=3)
         if self._file is not None:
             self._file.write(self._buf.getvalue())
 
+    def _path_to_last(self, root: Any) -> list[Step] | None:
+        """The path from ``root`` to the object whose reduce failed, if found."""
+        target = self._state.last
+        return None if target is None else find_path(self._state, root, target)
+
+    def _path_to_recursion(self, root: Any) -> list[Step] | None:
+        """Where the stack ran out: the last reduced object, unless a nest of plain
+        containers (which never reach reducer_override) goes much deeper."""
+        path = self._path_to_last(root)
+        deep = deepest_path(self._state, root)
+        deep_enough = deep is not None and len(deep) > sys.getrecursionlimit() // 4
+        if deep_enough and (path is None or len(deep) > len(path)):  # type: ignore[arg-type]
+            return deep
+        return path
+
+    def _where(self, root: Any, path: list[Step] | None) -> str:
+        if path is None:
+            what = type(self._state.last).__name__
+            return f"an object of type {what} inside {root_label(root)}"
+        return format_path(root, path)
+
     def _prune_or_annotate(self, root: Any, exc: Exception) -> str | None:
         """Mark an optional slot pruned and return the warning, or annotate ``exc``."""
-        target = self._last
-        path = find_path(self, root, target) if target is not None else None
+        state = self._state
+        path = self._path_to_last(root)
         if path is not None:
             for i in range(len(path) - 1, -1, -1):
                 step = path[i]
                 if step.slot is None:
                     continue
-                marks = self._pruned.setdefault(id(step.owner), set())
+                marks = state.pruned.setdefault(id(step.owner), set())
                 if step.slot in marks:
                     break  # pruned already and still failing: give up loudly
                 marks.add(step.slot)
-                self._keepalive.append(step.owner)
+                state.keepalive.append(step.owner)
                 where = format_path(root, path[: i + 1])
                 return (
                     f"cadence.pickling: dropped {step.owner.__qualname__}{step.label} "
@@ -149,11 +142,7 @@ class Pickler(pickle.Pickler):
                     "loaded function works but lacks it: make it picklable or delete it "
                     "before pickling to keep it"
                 )
-        if path is None:
-            where = f"an object of type {type(target).__name__} inside {root_label(root)}"
-        else:
-            where = format_path(root, path)
-        _annotate(exc, f"reached via {where}")
+        _annotate(exc, f"reached via {self._where(root, path)}")
         return None
 
 
@@ -178,5 +167,6 @@ def dump(obj: Any, file: Any, protocol: int | None = None, buffer_callback: Any 
     Pickler(file, protocol=protocol, buffer_callback=buffer_callback).dump(obj)
 
 
-# Loading needs nothing beyond the standard unpickler.
+# Loading needs nothing beyond the standard unpickler. Neither is safe for untrusted
+# input: see loads_restricted and loads_signed.
 load, loads = pickle.load, pickle.loads

@@ -1,8 +1,14 @@
-"""Reconstructors and state setters: the functions a payload calls while it loads.
+"""Reconstructors and state setters for code, functions, modules, classes and typing objects.
 
-A payload names these by ``cadence.pickling._reconstructors.<name>``, so their names and
-signatures are part of the format: never rename or remove one without bumping
-``FORMAT_VERSION`` in ``_signed.py``, and keep the old name as an alias.
+These are the functions a payload calls while it loads. A payload names each one as
+``cadence.pickling._reconstructors.<name>``, so names and signatures are part of the
+payload format.
+
+[Note: payload format] Never rename or remove a reconstructor, and never change what
+its arguments mean. A change that old payloads cannot follow gets a new name; the old
+name stays, either still working or replaced by a function that raises
+`IncompatiblePayloadError` saying which cadence release stopped reading it. The frozen
+payloads under ``tests/pickling/old_pickles`` and the test that loads them enforce this.
 
 Each by-value object is rebuilt in two steps. A *skeleton* (``_make_*``) is created and
 memoized first; its *state* (``_*_setstate``) is applied afterwards, so state that points
@@ -18,8 +24,10 @@ import importlib
 import sys
 import types
 import typing
-import weakref
 from typing import Any
+
+from cadence.pickling import _tracker
+from cadence.pickling._errors import IncompatiblePayloadError
 
 # Everything not listed here is private to cadence.pickling.
 __all__ = [
@@ -32,10 +40,12 @@ __all__ = [
     "_make_code",
     "_make_dynamic_module",
     "_make_function",
+    "_make_newtype",
     "_make_skeleton_class",
     "_make_skeleton_enum",
     "_make_typevar",
-    "class_tracker_id",
+    "_make_typing_param",
+    "_module_setstate",
 ]
 
 
@@ -48,25 +58,24 @@ def _import_module(name: str) -> types.ModuleType:
     return importlib.import_module(name)
 
 
-def _make_dynamic_module(name: str, namespace: dict[str, Any]) -> types.ModuleType:
+def _make_dynamic_module(name: str) -> types.ModuleType:
+    # An empty module, memoized before its namespace (its state) is loaded, so a
+    # function of the module that reads the module itself finds it in the memo. It is
+    # not put in sys.modules: it stays dynamic, so pickling it again (in a worker that
+    # forwards it) ships it by value again.
     module = types.ModuleType(name)
-    module.__dict__.update(namespace)
     module.__dict__["__builtins__"] = builtins
     return module
+
+
+def _module_setstate(module: types.ModuleType, namespace: dict[str, Any]) -> None:
+    module.__dict__.update(namespace)
 
 
 def _dataclass_sentinel(name: str) -> Any:
     # dataclasses compares these by identity (``f._field_type is _FIELD``); a copy made
     # by value would make ``fields()`` of a rebuilt dataclass come back empty.
     return getattr(dataclasses, name)
-
-
-def _make_typevar(
-    name: str, bound: Any, constraints: tuple[Any, ...], covariant: bool, contravariant: bool
-) -> Any:
-    return typing.TypeVar(
-        name, *constraints, bound=bound, covariant=covariant, contravariant=contravariant
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -80,9 +89,7 @@ def _make_code(version: tuple[int, int], args: tuple[Any, ...]) -> types.CodeTyp
     # worse, builds code that crashes the interpreter when called.
     here = tuple(sys.version_info[:2])
     if tuple(version) != here:
-        import pickle
-
-        raise pickle.UnpicklingError(
+        raise IncompatiblePayloadError(
             f"this payload holds bytecode compiled by Python {version[0]}.{version[1]}, "
             f"but this is Python {here[0]}.{here[1]}: code objects do not cross Python "
             "versions; load it with the same Python version that dumped it"
@@ -151,45 +158,8 @@ def _function_setstate(func: types.FunctionType, state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Classes
+# Classes (see [Note: tracker ids])
 # ---------------------------------------------------------------------------------------
-# [Note: class tracker ids] A dynamic class loaded twice (two payloads, or one payload
-# loaded twice) must come back as the *same* class, or ``isinstance`` breaks between the
-# workers' results. Each class pickled by value carries a tracker id; the loader keeps a
-# weak map id -> class. cloudpickle uses a random uuid4, which makes every payload holding
-# a class differ between runs. cadence derives the id from the class's module, qualname
-# and an ordinal among the distinct classes of that name seen in this process, so the same
-# program gives the same bytes. A loaded class keeps its id, so sending it back maps onto
-# the original.
-
-_TRACKER_BY_ID: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
-_ID_BY_CLASS: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
-_COMPLETE: weakref.WeakSet[type] = weakref.WeakSet()
-_ORDINALS: dict[str, int] = {}
-
-
-def class_tracker_id(cls: type) -> str:
-    tid = _ID_BY_CLASS.get(cls)
-    if tid is None:
-        key = f"{cls.__module__}:{cls.__qualname__}"
-        n = _ORDINALS.get(key, 0)
-        while f"{key}#{n}" in _TRACKER_BY_ID:
-            n += 1
-        _ORDINALS[key] = n + 1
-        tid = f"{key}#{n}"
-        _ID_BY_CLASS[cls] = tid
-        _TRACKER_BY_ID[tid] = cls
-        _COMPLETE.add(cls)
-    return tid
-
-
-def _track(tracker_id: str, cls: type) -> type:
-    existing = _TRACKER_BY_ID.get(tracker_id)
-    if existing is not None:
-        return existing
-    _TRACKER_BY_ID[tracker_id] = cls
-    _ID_BY_CLASS[cls] = tracker_id
-    return cls
 
 
 def _make_skeleton_class(
@@ -200,7 +170,7 @@ def _make_skeleton_class(
     type_kwargs: dict[str, Any],
     tracker_id: str,
 ) -> type:
-    existing = _TRACKER_BY_ID.get(tracker_id)
+    existing = _tracker.lookup(tracker_id)
     if existing is not None:
         # Do not even build a throwaway skeleton: it would run the bases'
         # __init_subclass__ (plugin registries and the like) a second time.
@@ -211,7 +181,7 @@ def _make_skeleton_class(
         ns["__qualname__"] = qualname
 
     skeleton = types.new_class(name, bases, {"metaclass": metaclass}, body)
-    return _track(tracker_id, skeleton)
+    return _tracker.track(tracker_id, skeleton)
 
 
 def _make_skeleton_enum(
@@ -224,7 +194,7 @@ def _make_skeleton_enum(
 ) -> type:
     # Members must exist when the enum class is created (EnumMeta builds them in __new__),
     # so unlike other classes they travel with the skeleton, not the state.
-    existing = _TRACKER_BY_ID.get(tracker_id)
+    existing = _tracker.lookup(tracker_id)
     if existing is not None:
         return existing
     metacls = type(bases[-1])
@@ -234,11 +204,11 @@ def _make_skeleton_enum(
     enum_class = metacls.__new__(metacls, name, bases, classdict)
     enum_class.__module__ = module
     enum_class.__qualname__ = qualname
-    return _track(tracker_id, enum_class)
+    return _tracker.track(tracker_id, enum_class)
 
 
 def _class_setstate(cls: type, state: tuple[dict[str, Any], list[type]]) -> type:
-    if cls in _COMPLETE:
+    if _tracker.is_complete(cls):
         # The tracker handed back a class that already exists here (loaded before, or
         # the original): re-applying state would swap its methods for copies.
         return cls
@@ -247,5 +217,49 @@ def _class_setstate(cls: type, state: tuple[dict[str, Any], list[type]]) -> type
         setattr(cls, attr, value)
     for subclass in abc_registry:
         cls.register(subclass)  # type: ignore[attr-defined]
-    _COMPLETE.add(cls)
+    _tracker.complete(cls)
     return cls
+
+
+# ---------------------------------------------------------------------------------------
+# Typing objects (tracked like classes)
+# ---------------------------------------------------------------------------------------
+
+
+def _make_typevar(
+    name: str,
+    bound: Any,
+    constraints: tuple[Any, ...],
+    covariant: bool,
+    contravariant: bool,
+    tracker_id: str,
+) -> Any:
+    existing = _tracker.lookup(tracker_id)
+    if existing is not None:
+        return existing
+    tv = typing.TypeVar(
+        name, *constraints, bound=bound, covariant=covariant, contravariant=contravariant
+    )
+    return _tracker.track(tracker_id, tv)
+
+
+def _make_typing_param(kind: str, name: str, options: dict[str, Any], tracker_id: str) -> Any:
+    """A ``ParamSpec`` or ``TypeVarTuple`` (``kind`` names the class in ``typing``)."""
+    existing = _tracker.lookup(tracker_id)
+    if existing is not None:
+        return existing
+    factory = getattr(typing, kind, None)
+    if kind not in ("ParamSpec", "TypeVarTuple") or factory is None:
+        raise IncompatiblePayloadError(
+            f"this payload holds a typing.{kind}, which this Python's typing module lacks"
+        )
+    return _tracker.track(tracker_id, factory(name, **options))
+
+
+def _make_newtype(name: str, supertype: Any, module: str, tracker_id: str) -> Any:
+    existing = _tracker.lookup(tracker_id)
+    if existing is not None:
+        return existing
+    nt = typing.NewType(name, supertype)
+    nt.__module__ = module
+    return _tracker.track(tracker_id, nt)

@@ -31,12 +31,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from cadence.pickling._errors import EnvelopeError, IncompatiblePayloadError, SignatureError
 from cadence.pickling._pickler import dumps
+from cadence.pickling._restricted import Allowlist, loads_restricted
 
 # Everything not listed here is private to cadence.pickling.
 __all__ = [
     "FORMAT_VERSION",
-    "EnvelopeError",
+    "EnvelopeError",  # defined in _errors; also importable from here, where it used to be
     "IncompatiblePayloadError",
     "SignatureError",
     "dumps_signed",
@@ -48,18 +50,6 @@ FORMAT_VERSION = 1
 DOMAIN = b"cadence.pickling.signed/v1\x00"
 _HEADER = struct.Struct(">6sB8s2B4sQ")
 _TAG_LEN = 32
-
-
-class EnvelopeError(pickle.UnpicklingError):
-    """A signed payload was refused before unpickling."""
-
-
-class SignatureError(EnvelopeError):
-    """Not a cadence signed payload, or its HMAC tag does not verify (tampered, wrong key)."""
-
-
-class IncompatiblePayloadError(EnvelopeError):
-    """An authentic payload made by an incompatible format or interpreter version."""
 
 
 def _impl() -> bytes:
@@ -83,12 +73,15 @@ def dumps_signed(obj: Any, key: bytes, protocol: int | None = None) -> bytes:
     return header + payload + tag
 
 
-def loads_signed(data: bytes, key: bytes | Sequence[bytes]) -> Any:
+def loads_signed(
+    data: bytes, key: bytes | Sequence[bytes], *, allow: Allowlist | None = None
+) -> Any:
     """Verify and load a payload made by :func:`dumps_signed`.
 
     ``key`` may be a sequence of keys (key rotation): any one that verifies is accepted.
     Raises :class:`SignatureError` or :class:`IncompatiblePayloadError` before any byte
-    is unpickled.
+    is unpickled. With ``allow``, the verified payload is loaded with
+    :func:`loads_restricted` (a signed *and* restricted load).
     """
     keys = [key] if isinstance(key, (bytes, bytearray)) else list(key)
     for k in keys:
@@ -121,7 +114,10 @@ def loads_signed(data: bytes, key: bytes | Sequence[bytes]) -> Any:
             f"{bc_magic.hex()}); this is {here[0]} {here[1]}.{here[2]} (bytecode magic "
             f"{importlib.util.MAGIC_NUMBER.hex()}): by-value code does not cross versions"
         )
-    return _loads(data[_HEADER.size : _HEADER.size + length])
+    payload = data[_HEADER.size : _HEADER.size + length]
+    if allow is not None:
+        return loads_restricted(payload, allow)
+    return _loads(payload)
 
 
 _loads = pickle.loads  # module attribute so tests can prove it is not reached
