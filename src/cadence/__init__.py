@@ -41,6 +41,7 @@ _LAZY = {
     "init": "cadence._dist_init:init",
     "pickling": "cadence.pickling",
     "pipeline": "cadence.pipeline",
+    "precompile": "cadence.precompile",
     "testing": "cadence.testing",
 }
 
@@ -79,6 +80,7 @@ __all__ = [
     "launch",
     "pickling",
     "pipeline",
+    "precompile",
     "testing",
 ]
 

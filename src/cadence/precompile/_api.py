@@ -1,0 +1,491 @@
+"""`precompile` and `precompile_module`: compile once, share with every rank, cache safely.
+
+The steps of one call, on every rank of the group:
+
+1. Validate the arguments, walk the function (`_capture`) and refuse frozen state:
+   local checks, before any compile or collective, so a misuse fails on every rank at
+   once and none hangs.
+2. Build the cache key (`_key`) and look the artifact up in ``cache_dir``; a refused
+   artifact is a warning, never an error.
+3. One small all-gather: which ranks hit the cache, and whether all ranks built the
+   same key (if not, every rank raises `RankMismatchError` naming the differing fields).
+4. If every rank hit, each loads its own file (``source == "cache"``). Otherwise rank
+   ``src`` compiles (or loads its hit) and broadcasts the artifact, the others wait
+   asleep (see [Note: precompile waiting ranks]) and load it (``"received"``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cadence.comm import EventLog
+from cadence.precompile import _torch_aot
+from cadence.precompile._artifact import (
+    TRANSPORT_KEY,
+    ArtifactCache,
+    ArtifactRefused,
+    check,
+    decode,
+    encode,
+    make_header,
+)
+from cadence.precompile._capture import Capture, capture, frozen_in, module_class_digests
+from cadence.precompile._errors import (
+    CacheRefusedWarning,
+    FrozenStateError,
+    PrecompileError,
+    PrecompileUsageError,
+    RankMismatchError,
+)
+from cadence.precompile._function import PrecompiledFunction, Variant
+from cadence.precompile._key import Key, build_key
+from cadence.precompile._share import Channel, default_group
+
+__all__ = ["precompile", "precompile_module", "reset_stats", "stats"]
+
+_STATS = {"compiles": 0, "loads": 0, "cache_hits": 0, "cache_refused": 0, "cache_writes": 0}
+
+
+def stats() -> dict[str, int]:
+    """Counters of this process: compiles, loads, cache hits, refusals and writes."""
+    return dict(_STATS)
+
+
+def reset_stats() -> None:
+    for name in _STATS:
+        _STATS[name] = 0
+
+
+# ---------------------------------------------------------------------------------------
+# Validation and the walk
+# ---------------------------------------------------------------------------------------
+
+
+def _validate(
+    fn: Any,
+    example_args: Any,
+    example_kwargs: Any,
+    on_guard_failure: Any,
+    options: dict[str, Any],
+    cache_dir: Any,
+) -> None:
+    if isinstance(fn, PrecompiledFunction):
+        raise PrecompileUsageError(f"{fn!r} is already precompiled; pass the original function")
+    if isinstance(fn, torch.nn.Module):
+        raise PrecompileUsageError(
+            f"precompile takes a function; for a module use "
+            f"cadence.precompile.precompile_module({type(fn).__name__}(...), example_args), "
+            "which compiles its forward with the module as an argument"
+        )
+    if not callable(fn):
+        raise PrecompileUsageError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(example_args, (tuple, list)):
+        raise PrecompileUsageError(
+            f"example_args must be a tuple of arguments, got {type(example_args).__name__} "
+            "(write (x,) for a single argument)"
+        )
+    if example_kwargs is not None and not (
+        isinstance(example_kwargs, dict) and all(isinstance(k, str) for k in example_kwargs)
+    ):
+        raise PrecompileUsageError("example_kwargs must be None or a dict with str keys")
+    if on_guard_failure not in ("raise", "compile"):
+        raise PrecompileUsageError(
+            f"on_guard_failure must be 'raise' or 'compile', got {on_guard_failure!r}"
+        )
+    if not isinstance(options["backend"], str):
+        raise PrecompileUsageError(
+            "backend must be a registered backend name such as 'inductor' or 'aot_eager'; "
+            "a callable backend cannot be part of a cache key or rebuilt on another rank"
+        )
+    if options["dynamic"] not in (None, True, False):
+        raise PrecompileUsageError(
+            f"dynamic must be None, True or False, got {options['dynamic']!r}"
+        )
+    if options["mode"] is not None and options["options"] is not None:
+        raise PrecompileUsageError("pass mode or options, not both (torch.compile refuses both)")
+    if options["options"] is not None and not isinstance(options["options"], dict):
+        raise PrecompileUsageError("options must be a dict of inductor options")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise PrecompileUsageError(f"cache_dir must be a path, got {type(cache_dir).__name__}")
+
+
+def _split(fn: Callable[..., Any]) -> tuple[Any, tuple[Any, ...]]:
+    """The function torch compiles and the leading arguments it is called with.
+
+    A bound method compiles its function with the receiver as the first argument: the
+    receiver (a module, say) stays live instead of being pickled into the artifact.
+    """
+    if isinstance(fn, types.MethodType):
+        return fn.__func__, (fn.__self__,)
+    return fn, ()
+
+
+def _refuse_frozen(name: str, paths: list[str]) -> None:
+    if paths:
+        shown = "\n".join(f"  - {p}" for p in paths[:10])
+        raise FrozenStateError(
+            f"precompile({name}): tensors reached through a closure, a global or a default "
+            f"would be frozen into the artifact (the loaded function would compute with a "
+            f"copy that no optimizer step updates and no gradient reaches):\n{shown}\n"
+            "Pass them (or the module holding them) as arguments of the function instead.",
+            paths,
+        )
+
+
+def _sources(cap: Capture, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, str]:
+    modules = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.nn.Module)]
+    return {**cap.code, **module_class_digests(modules)}
+
+
+# ---------------------------------------------------------------------------------------
+# Compile, serialize, load
+# ---------------------------------------------------------------------------------------
+
+
+class _Job:
+    """Everything one precompile call needs to compile, load and cache its function."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        options: dict[str, Any],
+        cache: ArtifactCache | None,
+    ) -> None:
+        self.fn = fn
+        self.target, self.bound = _split(fn)
+        self.name = getattr(self.target, "__qualname__", type(self.target).__name__)
+        self.options = options
+        self.cache = cache
+        self.timings: dict[str, float] = {
+            "compile_s": 0.0,
+            "compile_cpu_s": 0.0,
+            "load_s": 0.0,
+            "wait_s": 0.0,
+            "wait_cpu_s": 0.0,
+        }
+
+    def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Key, Capture]:
+        cap = capture(self.fn)
+        _refuse_frozen(self.name, cap.frozen)
+        key = build_key(
+            self.target,
+            args,
+            kwargs,
+            sources=_sources(cap, args, kwargs),
+            captured=cap.values,
+            instance=cap.identity,
+            options=self.options,
+        )
+        return key, cap
+
+    def compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], cap: Capture) -> Variant:
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            aot = _torch_aot.aot_compile(self.target, args, kwargs, **self.options)
+        except Exception as exc:
+            raise PrecompileError(
+                f"compiling {self.name} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            self.timings["compile_s"] += time.perf_counter() - start
+            self.timings["compile_cpu_s"] += time.process_time() - cpu
+        _STATS["compiles"] += 1
+        # What torch actually put in the artifact: a backstop for paths the walk missed.
+        _refuse_frozen(self.name, frozen_in(_torch_aot.runtime_captures(aot)))
+        return Variant(_torch_aot.prepare(aot), cap)
+
+    def sections(self, variant: Variant, key: Key) -> tuple[dict[str, Any], dict[str, bytes]]:
+        header = make_header(
+            key,
+            traced=_torch_aot.traced_sources(variant.aot),
+            serializer=_torch_aot.serializer(),
+        )
+        try:
+            data = _torch_aot.serialize(variant.aot)
+        except Exception as exc:
+            raise PrecompileError(
+                f"serializing {self.name} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        self.timings["bytes"] = float(len(data))
+        return header, {"artifact": data}
+
+    def load(self, sections: dict[str, bytes], cap: Capture) -> Variant:
+        start = time.perf_counter()
+        try:
+            aot = _torch_aot.deserialize(sections["artifact"])
+        finally:
+            self.timings["load_s"] += time.perf_counter() - start
+        _STATS["loads"] += 1
+        return Variant(aot, cap)
+
+    def write(self, key: Key, header: dict[str, Any], sections: dict[str, bytes]) -> None:
+        if self.cache is None:
+            return
+        try:
+            self.cache.write(key, header, sections)
+            _STATS["cache_writes"] += 1
+        except OSError as exc:
+            warnings.warn(
+                f"precompile({self.name}): could not write {self.cache.path(key)}: {exc}",
+                CacheRefusedWarning,
+                stacklevel=4,
+            )
+
+    def lookup(self, key: Key) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+        if self.cache is None:
+            return None
+        try:
+            found = self.cache.read(key)
+        except ArtifactRefused as exc:
+            _STATS["cache_refused"] += 1
+            warnings.warn(
+                f"precompile({self.name}): refused {self.cache.path(key)}: {exc.reason}; "
+                "compiling again",
+                CacheRefusedWarning,
+                stacklevel=4,
+            )
+            return None
+        except OSError as exc:
+            warnings.warn(
+                f"precompile({self.name}): cannot read {self.cache.path(key)}: {exc}",
+                CacheRefusedWarning,
+                stacklevel=4,
+            )
+            return None
+        if found is not None:
+            _STATS["cache_hits"] += 1
+        return found
+
+    def compile_and_save(
+        self, key: Key, args: tuple[Any, ...], kwargs: dict[str, Any], cap: Capture
+    ) -> tuple[Variant, dict[str, Any], dict[str, bytes]]:
+        variant = self.compile(args, kwargs, cap)
+        header, sections = self.sections(variant, key)
+        self.write(key, header, sections)
+        return variant, header, sections
+
+    def load_or_compile(
+        self,
+        found: tuple[dict[str, Any], dict[str, bytes]],
+        key: Key,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        cap: Capture,
+        source: str,
+    ) -> tuple[Variant, str]:
+        """Load a verified artifact; if torch still cannot load it, warn and compile here."""
+        try:
+            return self.load(found[1], cap), source
+        except Exception as exc:
+            warnings.warn(
+                f"precompile({self.name}): a verified artifact ({source}) failed to load "
+                f"({type(exc).__name__}: {exc}); compiling on this rank instead",
+                CacheRefusedWarning,
+                stacklevel=4,
+            )
+            return self.compile_and_save(key, args, kwargs, cap)[0], "compiled"
+
+    def recompile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Variant:
+        """A guard failed with on_guard_failure='compile': this rank compiles this call."""
+        key, cap = self.key(args, kwargs)
+        found = self.lookup(key)
+        if found is not None:
+            return self.load_or_compile(found, key, args, kwargs, cap, "cache")[0]
+        return self.compile_and_save(key, args, kwargs, cap)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# The entry points
+# ---------------------------------------------------------------------------------------
+
+
+def _agree(channel: Channel, key: Key, hit: bool) -> list[dict[str, Any]]:
+    everyone = channel.gather({"hit": hit, "fields": key.field_digests()})
+    reference = everyone[channel.src]["fields"]
+    differing = {
+        rank: sorted(
+            f for f in set(e["fields"]) | set(reference) if e["fields"].get(f) != reference.get(f)
+        )
+        for rank, e in enumerate(everyone)
+        if e["fields"] != reference
+    }
+    if differing:
+        detail = "; ".join(f"rank {r}: {', '.join(fs)}" for r, fs in differing.items())
+        raise RankMismatchError(
+            f"precompile({key.name}): ranks built different compile keys than rank "
+            f"{channel.src} (group ranks; differing fields: {detail}). Every rank must call "
+            "precompile with the same function, input specs, global state and environment."
+        )
+    return everyone
+
+
+def precompile(
+    fn: Callable[..., Any],
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    src: int = 0,
+    on_guard_failure: str = "raise",
+    backend: str = "inductor",
+    dynamic: bool | None = None,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    event_log: EventLog | None = None,
+) -> PrecompiledFunction:
+    """Compile ``fn`` ahead of time once per group, load it on every rank, cache it safely.
+
+    Args:
+        fn: the step (a function, bound method or ``functools.partial``), traced whole
+            (``fullgraph``): models, optimizers' tensors and data must be *arguments*.
+        example_args, example_kwargs: inputs like those of the real calls.
+        group: the ranks sharing one compile (default: the world if torch.distributed
+            is initialized, else this process alone).
+        cache_dir: a directory for signed artifacts; see docs/precompile.md.
+        src: the group rank that compiles.
+        on_guard_failure: ``"raise"`` a `GuardFailureError` naming the guard when a
+            call differs from the example inputs, or ``"compile"`` a new variant on
+            that rank alone.
+        backend, dynamic, mode, options: passed to ``torch.compile`` (part of the key).
+        event_log: records this call's collectives.
+
+    Returns:
+        A `PrecompiledFunction` whose ``.source`` says where it came from.
+    """
+    opts = {"backend": backend, "dynamic": dynamic, "mode": mode, "options": options}
+    _validate(fn, example_args, example_kwargs, on_guard_failure, opts, cache_dir)
+    if group is None:
+        group = default_group()
+    elif not dist.is_initialized():
+        raise PrecompileUsageError("group was given but torch.distributed is not initialized")
+    channel = None
+    if group is not None and dist.get_world_size(group) > 1:
+        channel = Channel(group, src, event_log)
+    world = 1 if channel is None else channel.world_size
+    if not isinstance(src, int) or not 0 <= src < world:
+        raise PrecompileUsageError(f"src must be a group rank in [0, {world}), got {src!r}")
+    cache = None
+    if cache_dir is not None:
+        try:
+            cache = ArtifactCache(cache_dir)
+        except OSError as exc:
+            warnings.warn(
+                f"precompile: cache directory {cache_dir} is unusable ({exc}); not caching",
+                CacheRefusedWarning,
+                stacklevel=2,
+            )
+    job = _Job(fn, opts, cache)
+    args = (*job.bound, *example_args)
+    kwargs = dict(example_kwargs or {})
+    key, cap = job.key(args, kwargs)
+    found = job.lookup(key)
+
+    if channel is None:
+        if found is not None:
+            variant, source = job.load_or_compile(found, key, args, kwargs, cap, "cache")
+        else:
+            variant, source = job.compile_and_save(key, args, kwargs, cap)[0], "compiled"
+    else:
+        everyone = _agree(channel, key, found is not None)
+        if all(e["hit"] for e in everyone):
+            variant, source = job.load_or_compile(found, key, args, kwargs, cap, "cache")  # type: ignore[arg-type]
+        elif channel.rank == src:
+            variant, source = _send(channel, job, key, found, args, kwargs, cap)
+        else:
+            start, cpu = time.perf_counter(), time.process_time()
+            data = channel.receive()
+            job.timings["wait_s"] = time.perf_counter() - start
+            job.timings["wait_cpu_s"] = time.process_time() - cpu
+            if found is not None:
+                variant, source = job.load_or_compile(found, key, args, kwargs, cap, "cache")
+            else:
+                received = check(decode(data, TRANSPORT_KEY), key)
+                variant, source = job.load_or_compile(received, key, args, kwargs, cap, "received")
+                if source == "received":
+                    _refresh(job, key, received)
+    return PrecompiledFunction(
+        fn,
+        job.bound,
+        variant,
+        source=source,
+        on_guard_failure=on_guard_failure,
+        recompile=job.recompile,
+        timings=job.timings,
+        cache_path=str(cache.path(key)) if cache is not None else None,
+    )
+
+
+def _send(
+    channel: Channel,
+    job: _Job,
+    key: Key,
+    found: tuple[dict[str, Any], dict[str, bytes]] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cap: Capture,
+) -> tuple[Variant, str]:
+    result: list[tuple[Variant, str]] = []
+
+    def produce() -> bytes:
+        if found is not None:
+            header, sections = found
+            result.append(job.load_or_compile(found, key, args, kwargs, cap, "cache"))
+        else:
+            variant, header, sections = job.compile_and_save(key, args, kwargs, cap)
+            result.append((variant, "compiled"))
+        return encode(header, sections, TRANSPORT_KEY)
+
+    channel.send(produce)
+    return result[0]
+
+
+def _refresh(job: _Job, key: Key, received: tuple[dict[str, Any], dict[str, bytes]]) -> None:
+    """A rank that received an artifact writes it to its cache unless a valid one is there
+    already (a shared directory that ``src`` just wrote): node-local caches fill up too."""
+    if job.cache is None:
+        return
+    try:
+        if job.cache.read(key) is not None:
+            return
+    except (ArtifactRefused, OSError):
+        pass
+    header, sections = received
+    job.write(key, header, sections)
+
+
+def precompile_module(
+    module: torch.nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> PrecompiledFunction:
+    """Precompile ``module``'s forward and install it as ``module.forward``.
+
+    The class's ``forward`` is compiled with the module as its first argument, so the
+    parameters stay live (optimizer updates are seen, gradients reach them). Calling
+    ``module(...)`` then runs the module's hooks eagerly around the compiled forward;
+    a wrapper such as `cadence.DataParallel` keeps doing its work outside the graph.
+    ``del module.forward`` restores the eager forward. Keyword arguments are those of
+    `precompile`.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise PrecompileUsageError(f"module must be an nn.Module, got {type(module).__name__}")
+    if "forward" in vars(module):
+        raise PrecompileUsageError(
+            f"{type(module).__name__}.forward is already replaced on this instance "
+            "(precompiled already?); `del module.forward` first"
+        )
+    compiled = precompile(
+        types.MethodType(type(module).forward, module), example_args, example_kwargs, **kwargs
+    )
+    module.forward = compiled  # type: ignore[method-assign]
+    return compiled
