@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,6 +142,9 @@ def fresh_body(cache_dir: str, backend: str) -> dict[str, Any]:
         eager_opt.step()
     out["params"] = named_params(model)
     out["eager_params"] = named_params(eager)
+    out["timings"] = dict(compiled.timings)
+    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    out["libraries"] = sorted(f"{p.parent.name}/{p.name}" for p in inductor.glob("??/*.so"))
     return out
 
 

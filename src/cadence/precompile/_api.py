@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.comm import EventLog
-from cadence.precompile import _torch_aot
+from cadence.precompile import _kernels, _torch_aot
 from cadence.precompile._artifact import (
     TRANSPORT_KEY,
     ArtifactCache,
@@ -158,8 +158,12 @@ class _Job:
         fn: Callable[..., Any],
         options: dict[str, Any],
         cache: ArtifactCache | None,
+        ship_kernels: bool = True,
     ) -> None:
         self.fn = fn
+        self.ship_kernels = ship_kernels
+        self.kernel_keys: set[str] = set()
+        self.kernel_files: set[str] = set()
         self.target, self.bound = _split(fn)
         self.name = getattr(self.target, "__qualname__", type(self.target).__name__)
         self.options = options
@@ -188,6 +192,9 @@ class _Job:
 
     def compile(self, args: tuple[Any, ...], kwargs: dict[str, Any], cap: Capture) -> Variant:
         start, cpu = time.perf_counter(), time.process_time()
+        known = _torch_aot.cpp_kernel_keys()
+        inductor_dir = _torch_aot.inductor_cache_dir() if self.ship_kernels else ""
+        on_disk = _kernels.snapshot(inductor_dir) if self.ship_kernels else set()
         try:
             aot = _torch_aot.aot_compile(self.target, args, kwargs, **self.options)
         except Exception as exc:
@@ -198,6 +205,9 @@ class _Job:
             self.timings["compile_s"] += time.perf_counter() - start
             self.timings["compile_cpu_s"] += time.process_time() - cpu
         _STATS["compiles"] += 1
+        self.kernel_keys = _torch_aot.cpp_kernel_keys() - known
+        if self.ship_kernels:
+            self.kernel_files = _kernels.snapshot(inductor_dir) - on_disk
         # What torch actually put in the artifact: a backstop for paths the walk missed.
         _refuse_frozen(self.name, frozen_in(_torch_aot.runtime_captures(aot)))
         return Variant(_torch_aot.prepare(aot), cap)
@@ -214,11 +224,29 @@ class _Job:
             raise PrecompileError(
                 f"serializing {self.name} failed: {type(exc).__name__}: {exc}"
             ) from exc
-        self.timings["bytes"] = float(len(data))
-        return header, {"artifact": data}
+        sections = {"artifact": data}
+        if self.ship_kernels and (self.kernel_keys or self.kernel_files):
+            files = _kernels.files_for(
+                self.kernel_keys, _torch_aot.inductor_cache_dir(), self.kernel_files
+            )
+            if files:
+                sections["kernels"] = _kernels.pack(files)
+                header["kernels"] = sorted(files)
+        self.timings["bytes"] = float(sum(len(b) for b in sections.values()))
+        return header, sections
 
     def load(self, sections: dict[str, bytes], cap: Capture) -> Variant:
         start = time.perf_counter()
+        if "kernels" in sections:
+            try:
+                written = _kernels.unpack(sections["kernels"], _torch_aot.inductor_cache_dir())
+                self.timings["kernels_written"] = float(written)
+            except (OSError, ValueError) as exc:  # the kernels get built instead
+                warnings.warn(
+                    f"precompile({self.name}): shipped kernels not installed ({exc})",
+                    CacheRefusedWarning,
+                    stacklevel=4,
+                )
         try:
             aot = _torch_aot.deserialize(sections["artifact"])
         finally:
@@ -340,6 +368,7 @@ def precompile(
     dynamic: bool | None = None,
     mode: str | None = None,
     options: dict[str, Any] | None = None,
+    ship_kernels: bool = True,
     event_log: EventLog | None = None,
 ) -> PrecompiledFunction:
     """Compile ``fn`` ahead of time once per group, load it on every rank, cache it safely.
@@ -356,6 +385,8 @@ def precompile(
             call differs from the example inputs, or ``"compile"`` a new variant on
             that rank alone.
         backend, dynamic, mode, options: passed to ``torch.compile`` (part of the key).
+        ship_kernels: bundle the C++ kernels inductor built with the artifact, so a
+            node whose inductor cache lacks them skips the C++ build when loading.
         event_log: records this call's collectives.
 
     Returns:
@@ -383,7 +414,7 @@ def precompile(
                 CacheRefusedWarning,
                 stacklevel=2,
             )
-    job = _Job(fn, opts, cache)
+    job = _Job(fn, opts, cache, ship_kernels=bool(ship_kernels))
     args = (*job.bound, *example_args)
     kwargs = dict(example_kwargs or {})
     key, cap = job.key(args, kwargs)

@@ -63,6 +63,7 @@ __all__ = [
     "aot_compile",
     "call",
     "compiler_config_digest",
+    "cpp_kernel_keys",
     "cxx_identity",
     "deserialize",
     "guard_failures",
@@ -474,6 +475,25 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return str(cache_dir())
+
+
+def cpp_kernel_keys() -> set[str]:
+    """Keys of the C++ libraries inductor built or loaded in this process.
+
+    A key names its files: ``<cache dir>/<key[1:3]>/<key>*.so`` (and ``.o`` for two-step
+    builds). inductor skips the C++ build of a kernel whose library already exists, so
+    shipping these files lets a cold node load an artifact without running g++.
+    """
+    try:
+        from torch._inductor import codecache
+    except Exception:
+        return set()
+    keys: set[str] = set()
+    for name in ("CppCodeCache", "CppPythonBindingsCodeCache", "CppWrapperCodeCache"):
+        cache = getattr(getattr(codecache, name, None), "cache", None)
+        if isinstance(cache, dict):
+            keys.update(k for k in cache if isinstance(k, str))
+    return keys
 
 
 @functools.cache
