@@ -9,6 +9,7 @@ docs/precompile.md for the guarantees, the cache key and the torch versions supp
 Module layout (one concern each): `_api` (the entry points), `_capture` (what a function
 reaches: frozen state, code digests, watched values), `_key` (the cache key),
 `_artifact` (file format, signing, the cache directory), `_share` (the collectives),
+`_job` (one call's compile, load and cache steps), `_kernels` (the C++ kernel bundle),
 `_function` (the returned callable and its guard errors), `_torch_aot` (every use of
 torch internals, behind a feature test), `_errors`.
 """
@@ -20,7 +21,7 @@ import sys
 import types
 from typing import Any
 
-from cadence.precompile._api import precompile, precompile_module, reset_stats, stats
+from cadence.precompile._api import precompile, precompile_module
 from cadence.precompile._errors import (
     CacheRefusedWarning,
     FrozenStateError,
@@ -31,6 +32,7 @@ from cadence.precompile._errors import (
     RankMismatchError,
 )
 from cadence.precompile._function import PrecompiledFunction
+from cadence.precompile._job import reset_stats, stats
 from cadence.precompile._torch_aot import SERIALIZER, SERIALIZER_REASON
 
 __all__ = [
