@@ -230,10 +230,12 @@ def two_rank_body(cache_dir: str) -> dict[str, Any]:
     out["dp_grad_diffs"] = diffs
     out["dp_param_diff"] = max_abs_diff(named_params(model), named_params(reference))
 
-    # A plain step function, its model passed as an argument.
+    # A plain step function, its model passed as an argument; the group given as the
+    # topology object (its data-parallel group).
+    groups = cadence.init()
     net, xs, ys = inputs(seed=1)
     fn, out["step_compiles"] = _counted(
-        precompile, step, (net, xs, ys), cache_dir=cache_dir, backend=BACKEND
+        precompile, step, (net, xs, ys), group=groups, cache_dir=cache_dir, backend=BACKEND
     )
     out["step_source"] = fn.source
     out["step_diff"] = max_abs_diff(

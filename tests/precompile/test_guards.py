@@ -16,7 +16,12 @@ import pytest
 import torch
 
 import cadence
-from cadence.precompile import GuardFailureError, LocalCompileWarning, stats
+from cadence.precompile import (
+    CacheRefusedWarning,
+    GuardFailureError,
+    LocalCompileWarning,
+    stats,
+)
 from cadence.testing import assert_close
 from tests.precompile import _bodies
 from tests.precompile._bodies import BACKEND, inputs, loss_and_grads, step
@@ -130,7 +135,11 @@ def test_on_guard_failure_compile(tmp_path: Path) -> None:
 
     # A changed global: the variants that baked the old value are dropped.
     with _scale(3.0):
-        with pytest.warns(LocalCompileWarning, match="captured global SCALE changed"):
+        # The cached artifact for these inputs baked SCALE == 2.0: refused as stale.
+        with (
+            pytest.warns(CacheRefusedWarning, match="stale: captured value global SCALE"),
+            pytest.warns(LocalCompileWarning, match="captured global SCALE changed"),
+        ):
             got = loss_and_grads(compiled, model, x, y)
         assert_close(got, loss_and_grads(step, model, x, y))
     assert compiled.local_compiles == 2

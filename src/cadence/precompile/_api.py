@@ -45,6 +45,7 @@ from cadence.precompile._function import PrecompiledFunction, Variant
 from cadence.precompile._job import Job
 from cadence.precompile._key import Key
 from cadence.precompile._share import Channel, default_group
+from cadence.topology import ParallelGroups
 
 __all__ = ["precompile", "precompile_module"]
 
@@ -131,7 +132,7 @@ def precompile(
     example_args: tuple[Any, ...],
     example_kwargs: dict[str, Any] | None = None,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | ParallelGroups | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     src: int = 0,
     on_guard_failure: str = "raise",
@@ -148,8 +149,9 @@ def precompile(
         fn: the step (a function, bound method or ``functools.partial``), traced whole
             (``fullgraph``): models, optimizers' tensors and data must be *arguments*.
         example_args, example_kwargs: inputs like those of the real calls.
-        group: the ranks sharing one compile (default: the world if torch.distributed
-            is initialized, else this process alone).
+        group: the ranks sharing one compile: a process group, a `ParallelGroups`
+            (its data-parallel group: one compile per pipeline stage), or None (the
+            world if torch.distributed is initialized, else this process alone).
         cache_dir: a directory for signed artifacts; see docs/precompile.md.
         src: the group rank that compiles.
         on_guard_failure: ``"raise"`` a `GuardFailureError` naming the guard when a
@@ -165,6 +167,8 @@ def precompile(
     """
     opts = {"backend": backend, "dynamic": dynamic, "mode": mode, "options": options}
     _validate(fn, example_args, example_kwargs, on_guard_failure, opts, cache_dir)
+    if isinstance(group, ParallelGroups):
+        group = group.dp
     if group is None:
         group = default_group()
     elif not dist.is_initialized():

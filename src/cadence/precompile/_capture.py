@@ -46,6 +46,7 @@ __all__ = [
     "class_digest",
     "frozen_in",
     "module_class_digests",
+    "resolves_by_name",
 ]
 
 _MAX_NODES = 20_000
@@ -126,6 +127,17 @@ def _is_library(module_name: str | None) -> bool:
     return any(real.startswith(root + os.sep) for root in _LIBRARY_ROOTS)
 
 
+def resolves_by_name(obj: Any) -> bool:
+    """Does importing ``obj.__module__`` and walking ``obj.__qualname__`` give ``obj``?"""
+    try:
+        target: Any = importlib.import_module(obj.__module__)
+        for part in obj.__qualname__.split("."):
+            target = getattr(target, part)
+    except Exception:
+        return False
+    return target is obj
+
+
 def _by_value(obj: Any) -> bool:
     """Would a by-value pickler carry ``obj`` (a function or class) by value?"""
     module = getattr(obj, "__module__", None)
@@ -135,13 +147,7 @@ def _by_value(obj: Any) -> bool:
     registered = pickling.list_registry_pickle_by_value()
     if any(module == m or module.startswith(m + ".") for m in registered):
         return True
-    try:
-        target: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            target = getattr(target, part)
-    except Exception:
-        return True
-    return target is not obj
+    return not resolves_by_name(obj)
 
 
 # ---------------------------------------------------------------------------------------

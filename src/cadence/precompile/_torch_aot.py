@@ -48,6 +48,7 @@ import io
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import types
 from collections.abc import Iterator
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 
 from cadence import pickling
+from cadence.precompile._capture import class_digest, resolves_by_name
 
 __all__ = [
     "SERIALIZER",
@@ -157,21 +159,9 @@ def _class_method_reduce(obj: Any) -> Any:
     if isinstance(obj, types.MethodType) and isinstance(obj.__self__, type):
         owner = obj.__self__
         name = obj.__func__.__name__
-        if _importable(owner) and getattr(owner, name, None) == obj:
+        if resolves_by_name(owner) and getattr(owner, name, None) == obj:
             return getattr, (owner, name)
     return NotImplemented
-
-
-def _importable(cls: type) -> bool:
-    import importlib
-
-    try:
-        target: Any = importlib.import_module(cls.__module__)
-        for part in cls.__qualname__.split("."):
-            target = getattr(target, part)
-    except Exception:
-        return False
-    return target is cls
 
 
 def _main_class_reduce(obj: Any) -> Any:
@@ -189,32 +179,18 @@ def _main_class_reduce(obj: Any) -> Any:
         and obj.__module__ == "__main__"
         and "<locals>" not in obj.__qualname__
     ):
-        return _resolve_main_class, (obj.__qualname__, _class_digest(obj), pickling.dumps(obj))
+        return _resolve_main_class, (obj.__qualname__, class_digest(obj), pickling.dumps(obj))
     return NotImplemented
 
 
-def _class_digest(cls: type) -> str:
-    h = hashlib.sha256(cls.__qualname__.encode())
-    for klass in cls.__mro__:
-        if klass.__module__ != "__main__":
-            continue
-        for name, value in sorted(vars(klass).items()):
-            code = getattr(getattr(value, "__func__", value), "__code__", None)
-            if code is not None:
-                h.update(name.encode() + code.co_code + repr(code.co_consts).encode())
-    return h.hexdigest()
-
-
 def _resolve_main_class(qualname: str, digest: str, payload: bytes) -> type:
-    import sys
-
     target: Any = sys.modules.get("__main__")
     try:
         for part in qualname.split("."):
             target = getattr(target, part)
     except AttributeError:
         target = None
-    if isinstance(target, type) and _class_digest(target) == digest:
+    if isinstance(target, type) and class_digest(target) == digest:
         return target
     return pickling.loads(payload)  # type: ignore[no-any-return]
 
