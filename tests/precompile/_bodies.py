@@ -187,6 +187,18 @@ def _mismatch() -> str:
     return "no error"
 
 
+def _not_a_member() -> str:
+    """A rank outside the group it passes is refused before any collective."""
+    only_rank0 = dist.new_group([0])  # every rank takes part in creating the group
+    if dist.get_rank() == 0:
+        return "member"
+    try:
+        precompile(torch.sin, (torch.randn(2),), group=only_rank0, backend=BACKEND)
+    except cadence.precompile.PrecompileUsageError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _counted(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     before = stats()["compiles"]
     result = fn(*args, **kwargs)
@@ -199,6 +211,7 @@ def two_rank_body(cache_dir: str) -> dict[str, Any]:
     _share.HEARTBEAT_S = 0.05
     out["heartbeat"] = _heartbeats(EventLog())
     out["mismatch"] = _mismatch()
+    out["not_a_member"] = _not_a_member()
     out["failure"] = _failure()
 
     # A DataParallel-wrapped model whose forward is precompiled: parity with

@@ -31,6 +31,8 @@ def test_two_ranks_compile_once_then_hit_the_cache(tmp_path: Path) -> None:
         assert "ranks built different compile keys" in r["mismatch"]
         assert "rank 1: inputs" in r["mismatch"]
         assert r["failure"].startswith("PrecompileError")
+    assert first[0]["not_a_member"] == "member"
+    assert "rank 1 is not a member of the group" in first[1]["not_a_member"]
     assert "compiling data_dependent failed" in first[0]["failure"]
     assert "rank 0 of the group failed to precompile" in first[1]["failure"]
 

@@ -42,7 +42,7 @@ from cadence.precompile._errors import (
     RankMismatchError,
 )
 from cadence.precompile._function import PrecompiledFunction, Variant
-from cadence.precompile._job import Job
+from cadence.precompile._job import Artifact, Job
 from cadence.precompile._key import Key
 from cadence.precompile._share import Channel, default_group
 from cadence.topology import ParallelGroups
@@ -174,6 +174,10 @@ def precompile(
     elif not dist.is_initialized():
         raise PrecompileUsageError("group was given but torch.distributed is not initialized")
     channel = None
+    if group is not None and dist.get_rank(group) < 0:
+        raise PrecompileUsageError(
+            f"rank {dist.get_rank()} is not a member of the group it passed to precompile"
+        )
     if group is not None and dist.get_world_size(group) > 1:
         channel = Channel(group, src, event_log)
     world = 1 if channel is None else channel.world_size
@@ -197,27 +201,17 @@ def precompile(
 
     if channel is None:
         if found is not None:
-            variant, source = job.load_or_compile(found, key, args, kwargs, cap, "cache")
+            variant, source, _ = job.load_or_compile(found, key, args, kwargs, cap, "cache")
         else:
             variant, source = job.compile_and_save(key, args, kwargs, cap)[0], "compiled"
     else:
         everyone = _agree(channel, key, found is not None)
-        if all(e["hit"] for e in everyone):
-            variant, source = job.load_or_compile(found, key, args, kwargs, cap, "cache")  # type: ignore[arg-type]
+        if found is not None and all(e["hit"] for e in everyone):
+            variant, source, _ = job.load_or_compile(found, key, args, kwargs, cap, "cache")
         elif channel.rank == src:
             variant, source = _send(channel, job, key, found, args, kwargs, cap)
         else:
-            start, cpu = time.perf_counter(), time.process_time()
-            data = channel.receive()
-            job.timings["wait_s"] = time.perf_counter() - start
-            job.timings["wait_cpu_s"] = time.process_time() - cpu
-            if found is not None:
-                variant, source = job.load_or_compile(found, key, args, kwargs, cap, "cache")
-            else:
-                received = check(decode(data, TRANSPORT_KEY), key)
-                variant, source = job.load_or_compile(received, key, args, kwargs, cap, "received")
-                if source == "received":
-                    _refresh(job, key, received)
+            variant, source = _receive(channel, job, key, found, args, kwargs, cap)
     return PrecompiledFunction(
         fn,
         job.bound,
@@ -234,7 +228,7 @@ def _send(
     channel: Channel,
     job: Job,
     key: Key,
-    found: tuple[dict[str, Any], dict[str, bytes]] | None,
+    found: Artifact | None,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     cap: Capture,
@@ -243,18 +237,46 @@ def _send(
 
     def produce() -> bytes:
         if found is not None:
-            header, sections = found
-            result.append(job.load_or_compile(found, key, args, kwargs, cap, "cache"))
+            variant, source, (header, sections) = job.load_or_compile(
+                found, key, args, kwargs, cap, "cache"
+            )
         else:
             variant, header, sections = job.compile_and_save(key, args, kwargs, cap)
-            result.append((variant, "compiled"))
+            source = "compiled"
+        result.append((variant, source))
         return encode(header, sections, TRANSPORT_KEY)
 
     channel.send(produce)
     return result[0]
 
 
-def _refresh(job: Job, key: Key, received: tuple[dict[str, Any], dict[str, bytes]]) -> None:
+def _receive(
+    channel: Channel,
+    job: Job,
+    key: Key,
+    found: Artifact | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cap: Capture,
+) -> tuple[Variant, str]:
+    start, cpu = time.perf_counter(), time.process_time()
+    data = channel.receive()
+    job.timings["wait_s"] = time.perf_counter() - start
+    job.timings["wait_cpu_s"] = time.process_time() - cpu
+    if found is not None:  # a hit of our own (a node-local cache): no need for theirs
+        return job.load_or_compile(found, key, args, kwargs, cap, "cache")[:2]
+    try:
+        received = check(decode(data, TRANSPORT_KEY), key)
+    except ArtifactRefused as exc:
+        why = f"the artifact rank {channel.src} sent was refused ({exc.reason})"
+        return job.compile_here(why, key, args, kwargs, cap)[:2]
+    variant, source, _ = job.load_or_compile(received, key, args, kwargs, cap, "received")
+    if source == "received":
+        _refresh(job, key, received)
+    return variant, source
+
+
+def _refresh(job: Job, key: Key, received: Artifact) -> None:
     """A rank that received an artifact writes it to its cache unless a valid one is there
     already (a shared directory that ``src`` just wrote): node-local caches fill up too."""
     if job.cache is None:

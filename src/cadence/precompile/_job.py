@@ -22,7 +22,9 @@ from cadence.precompile._errors import CacheRefusedWarning, FrozenStateError, Pr
 from cadence.precompile._function import Variant
 from cadence.precompile._key import Key, build_key
 
-__all__ = ["Job", "reset_stats", "stats"]
+__all__ = ["Artifact", "Job", "reset_stats", "stats"]
+
+Artifact = tuple[dict[str, Any], dict[str, bytes]]  # (header, sections)
 
 _STATS = {"compiles": 0, "loads": 0, "cache_hits": 0, "cache_refused": 0, "cache_writes": 0}
 
@@ -187,7 +189,7 @@ class Job:
                 stacklevel=4,
             )
 
-    def lookup(self, key: Key) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+    def lookup(self, key: Key) -> Artifact | None:
         if self.cache is None:
             return None
         try:
@@ -222,24 +224,40 @@ class Job:
 
     def load_or_compile(
         self,
-        found: tuple[dict[str, Any], dict[str, bytes]],
+        found: Artifact,
         key: Key,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         cap: Capture,
         source: str,
-    ) -> tuple[Variant, str]:
-        """Load a verified artifact; if torch still cannot load it, warn and compile here."""
+    ) -> tuple[Variant, str, Artifact]:
+        """Load a verified artifact; if torch still cannot load it, compile here instead.
+
+        Returns the variant, where it came from, and the artifact it came from (the new
+        one after a fallback compile: that is the one worth sending to other ranks).
+        """
         try:
-            return self.load(found[1], cap), source
+            return self.load(found[1], cap), source, found
         except Exception as exc:
-            warnings.warn(
-                f"precompile({self.name}): a verified artifact ({source}) failed to load "
-                f"({type(exc).__name__}: {exc}); compiling on this rank instead",
-                CacheRefusedWarning,
-                stacklevel=4,
-            )
-            return self.compile_and_save(key, args, kwargs, cap)[0], "compiled"
+            why = f"a verified artifact ({source}) failed to load ({type(exc).__name__}: {exc})"
+            return self.compile_here(why, key, args, kwargs, cap)
+
+    def compile_here(
+        self,
+        why: str,
+        key: Key,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        cap: Capture,
+    ) -> tuple[Variant, str, Artifact]:
+        """Warn why, then compile on this rank alone (no collective)."""
+        warnings.warn(
+            f"precompile({self.name}): {why}; compiling on this rank instead",
+            CacheRefusedWarning,
+            stacklevel=4,
+        )
+        variant, header, sections = self.compile_and_save(key, args, kwargs, cap)
+        return variant, "compiled", (header, sections)
 
     def recompile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Variant:
         """A guard failed with on_guard_failure='compile': this rank compiles this call."""
