@@ -47,7 +47,16 @@ from typing import Any
 
 from cadence.precompile._key import FORMAT_VERSION, Key
 
-__all__ = ["TRANSPORT_KEY", "ArtifactCache", "ArtifactRefused", "decode", "encode"]
+__all__ = [
+    "KEY_FILE",
+    "TRANSPORT_KEY",
+    "ArtifactCache",
+    "ArtifactRefused",
+    "check",
+    "decode",
+    "encode",
+    "make_header",
+]
 
 MAGIC = b"CDNCAOT\x00"
 DOMAIN = b"cadence.precompile.artifact/v1\x00"

@@ -71,6 +71,7 @@ __all__ = [
     "guard_failures",
     "guard_ok",
     "inductor_cache_dir",
+    "prepare",
     "runtime_captures",
     "serialize",
     "serializer",
