@@ -42,6 +42,7 @@ _LAZY = {
     "init": "cadence._dist_init:init",
     "pickling": "cadence.pickling",
     "pipeline": "cadence.pipeline",
+    "precompile": "cadence.precompile",
     "testing": "cadence.testing",
 }
 
@@ -82,6 +83,7 @@ __all__ = [
     "launch",
     "pickling",
     "pipeline",
+    "precompile",
     "testing",
 ]
 

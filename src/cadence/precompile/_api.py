@@ -1,0 +1,319 @@
+"""`precompile` and `precompile_module`: compile once, share with every rank, cache safely.
+
+The steps of one call, on every rank of the group:
+
+1. Validate the arguments, walk the function (`_capture`) and refuse frozen state:
+   local checks, before any compile or collective, so a misuse fails on every rank at
+   once and none hangs.
+2. Build the cache key (`_key`) and look the artifact up in ``cache_dir``; a refused
+   artifact is a warning, never an error.
+3. One small all-gather: which ranks hit the cache, and whether all ranks built the
+   same key (if not, every rank raises `RankMismatchError` naming the differing fields).
+4. If every rank hit, each loads its own file (``source == "cache"``). Otherwise rank
+   ``src`` compiles (or loads its hit) and broadcasts the artifact, the others wait
+   asleep (see [Note: precompile waiting ranks]) and load it (``"received"``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cadence.comm import EventLog
+from cadence.precompile._artifact import (
+    TRANSPORT_KEY,
+    ArtifactCache,
+    ArtifactRefused,
+    check,
+    decode,
+    encode,
+)
+from cadence.precompile._capture import Capture
+from cadence.precompile._errors import (
+    CacheRefusedWarning,
+    PrecompileUsageError,
+    RankMismatchError,
+)
+from cadence.precompile._function import PrecompiledFunction, Variant
+from cadence.precompile._job import Artifact, Job
+from cadence.precompile._key import Key
+from cadence.precompile._share import Channel, default_group
+from cadence.topology import ParallelGroups
+
+__all__ = ["precompile", "precompile_module"]
+
+# ---------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------
+
+
+def _validate(
+    fn: Any,
+    example_args: Any,
+    example_kwargs: Any,
+    on_guard_failure: Any,
+    options: dict[str, Any],
+    cache_dir: Any,
+) -> None:
+    if isinstance(fn, PrecompiledFunction):
+        raise PrecompileUsageError(f"{fn!r} is already precompiled; pass the original function")
+    if isinstance(fn, torch.nn.Module):
+        raise PrecompileUsageError(
+            f"precompile takes a function; for a module use "
+            f"cadence.precompile.precompile_module({type(fn).__name__}(...), example_args), "
+            "which compiles its forward with the module as an argument"
+        )
+    if not callable(fn):
+        raise PrecompileUsageError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(example_args, (tuple, list)):
+        raise PrecompileUsageError(
+            f"example_args must be a tuple of arguments, got {type(example_args).__name__} "
+            "(write (x,) for a single argument)"
+        )
+    if example_kwargs is not None and not (
+        isinstance(example_kwargs, dict) and all(isinstance(k, str) for k in example_kwargs)
+    ):
+        raise PrecompileUsageError("example_kwargs must be None or a dict with str keys")
+    if on_guard_failure not in ("raise", "compile"):
+        raise PrecompileUsageError(
+            f"on_guard_failure must be 'raise' or 'compile', got {on_guard_failure!r}"
+        )
+    if not isinstance(options["backend"], str):
+        raise PrecompileUsageError(
+            "backend must be a registered backend name such as 'inductor' or 'aot_eager'; "
+            "a callable backend cannot be part of a cache key or rebuilt on another rank"
+        )
+    if options["dynamic"] not in (None, True, False):
+        raise PrecompileUsageError(
+            f"dynamic must be None, True or False, got {options['dynamic']!r}"
+        )
+    if options["mode"] is not None and options["options"] is not None:
+        raise PrecompileUsageError("pass mode or options, not both (torch.compile refuses both)")
+    if options["options"] is not None and not isinstance(options["options"], dict):
+        raise PrecompileUsageError("options must be a dict of inductor options")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise PrecompileUsageError(f"cache_dir must be a path, got {type(cache_dir).__name__}")
+
+
+# ---------------------------------------------------------------------------------------
+# The entry points
+# ---------------------------------------------------------------------------------------
+
+
+def _agree(channel: Channel, key: Key, hit: bool) -> list[dict[str, Any]]:
+    everyone = channel.gather({"hit": hit, "fields": key.field_digests()})
+    reference = everyone[channel.src]["fields"]
+    differing = {
+        rank: sorted(
+            f for f in set(e["fields"]) | set(reference) if e["fields"].get(f) != reference.get(f)
+        )
+        for rank, e in enumerate(everyone)
+        if e["fields"] != reference
+    }
+    if differing:
+        detail = "; ".join(f"rank {r}: {', '.join(fs)}" for r, fs in differing.items())
+        raise RankMismatchError(
+            f"precompile({key.name}): ranks built different compile keys than rank "
+            f"{channel.src} (group ranks; differing fields: {detail}). Every rank must call "
+            "precompile with the same function, input specs, global state and environment."
+        )
+    return everyone
+
+
+def precompile(
+    fn: Callable[..., Any],
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    group: dist.ProcessGroup | ParallelGroups | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    src: int = 0,
+    on_guard_failure: str = "raise",
+    backend: str = "inductor",
+    dynamic: bool | None = None,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    ship_kernels: bool = True,
+    event_log: EventLog | None = None,
+) -> PrecompiledFunction:
+    """Compile ``fn`` ahead of time once per group, load it on every rank, cache it safely.
+
+    Args:
+        fn: the step (a function, bound method or ``functools.partial``), traced whole
+            (``fullgraph``): models, optimizers' tensors and data must be *arguments*.
+        example_args, example_kwargs: inputs like those of the real calls.
+        group: the ranks sharing one compile: a process group, a `ParallelGroups`
+            (its data-parallel group: one compile per pipeline stage), or None (the
+            world if torch.distributed is initialized, else this process alone).
+        cache_dir: a directory for signed artifacts; see docs/precompile.md.
+        src: the group rank that compiles.
+        on_guard_failure: ``"raise"`` a `GuardFailureError` naming the guard when a
+            call differs from the example inputs, or ``"compile"`` a new variant on
+            that rank alone.
+        backend, dynamic, mode, options: passed to ``torch.compile`` (part of the key).
+        ship_kernels: bundle the C++ kernels inductor built with the artifact, so a
+            node whose inductor cache lacks them skips the C++ build when loading.
+        event_log: records this call's collectives.
+
+    Returns:
+        A `PrecompiledFunction` whose ``.source`` says where it came from.
+    """
+    opts = {"backend": backend, "dynamic": dynamic, "mode": mode, "options": options}
+    _validate(fn, example_args, example_kwargs, on_guard_failure, opts, cache_dir)
+    if isinstance(group, ParallelGroups):
+        group = group.dp
+    if group is None:
+        group = default_group()
+    elif not dist.is_initialized():
+        raise PrecompileUsageError("group was given but torch.distributed is not initialized")
+    channel = None
+    if group is not None and dist.get_rank(group) < 0:
+        raise PrecompileUsageError(
+            f"rank {dist.get_rank()} is not a member of the group it passed to precompile"
+        )
+    if group is not None and dist.get_world_size(group) > 1:
+        channel = Channel(group, src, event_log)
+    world = 1 if channel is None else channel.world_size
+    if not isinstance(src, int) or not 0 <= src < world:
+        raise PrecompileUsageError(f"src must be a group rank in [0, {world}), got {src!r}")
+    cache = None
+    if cache_dir is not None:
+        try:
+            cache = ArtifactCache(cache_dir)
+        except OSError as exc:
+            warnings.warn(
+                f"precompile: cache directory {cache_dir} is unusable ({exc}); not caching",
+                CacheRefusedWarning,
+                stacklevel=2,
+            )
+    job = Job(fn, opts, cache, ship_kernels=bool(ship_kernels))
+    args = (*job.bound, *example_args)
+    kwargs = dict(example_kwargs or {})
+    key, cap = job.key(args, kwargs)
+    found = job.lookup(key)
+
+    if channel is None:
+        if found is not None:
+            variant, source, _ = job.load_or_compile(found, key, args, kwargs, cap, "cache")
+        else:
+            variant, source = job.compile_and_save(key, args, kwargs, cap)[0], "compiled"
+    else:
+        everyone = _agree(channel, key, found is not None)
+        if found is not None and all(e["hit"] for e in everyone):
+            variant, source, _ = job.load_or_compile(found, key, args, kwargs, cap, "cache")
+        elif channel.rank == src:
+            variant, source = _send(channel, job, key, found, args, kwargs, cap)
+        else:
+            variant, source = _receive(channel, job, key, found, args, kwargs, cap)
+    return PrecompiledFunction(
+        fn,
+        job.bound,
+        variant,
+        source=source,
+        on_guard_failure=on_guard_failure,
+        recompile=job.recompile,
+        timings=job.timings,
+        cache_path=str(cache.path(key)) if cache is not None else None,
+    )
+
+
+def _send(
+    channel: Channel,
+    job: Job,
+    key: Key,
+    found: Artifact | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cap: Capture,
+) -> tuple[Variant, str]:
+    result: list[tuple[Variant, str]] = []
+
+    def produce() -> bytes:
+        if found is not None:
+            variant, source, (header, sections) = job.load_or_compile(
+                found, key, args, kwargs, cap, "cache"
+            )
+        else:
+            variant, header, sections = job.compile_and_save(key, args, kwargs, cap)
+            source = "compiled"
+        result.append((variant, source))
+        return encode(header, sections, TRANSPORT_KEY)
+
+    channel.send(produce)
+    return result[0]
+
+
+def _receive(
+    channel: Channel,
+    job: Job,
+    key: Key,
+    found: Artifact | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cap: Capture,
+) -> tuple[Variant, str]:
+    start, cpu = time.perf_counter(), time.process_time()
+    data = channel.receive()
+    job.timings["wait_s"] = time.perf_counter() - start
+    job.timings["wait_cpu_s"] = time.process_time() - cpu
+    if found is not None:  # a hit of our own (a node-local cache): no need for theirs
+        return job.load_or_compile(found, key, args, kwargs, cap, "cache")[:2]
+    try:
+        received = check(decode(data, TRANSPORT_KEY), key)
+    except ArtifactRefused as exc:
+        why = f"the artifact rank {channel.src} sent was refused ({exc.reason})"
+        return job.compile_here(why, key, args, kwargs, cap)[:2]
+    variant, source, _ = job.load_or_compile(received, key, args, kwargs, cap, "received")
+    if source == "received":
+        _refresh(job, key, received)
+    return variant, source
+
+
+def _refresh(job: Job, key: Key, received: Artifact) -> None:
+    """A rank that received an artifact writes it to its cache unless a valid one is there
+    already (a shared directory that ``src`` just wrote): node-local caches fill up too."""
+    if job.cache is None:
+        return
+    try:
+        if job.cache.read(key) is not None:
+            return
+    except (ArtifactRefused, OSError):
+        pass
+    header, sections = received
+    job.write(key, header, sections)
+
+
+def precompile_module(
+    module: torch.nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> PrecompiledFunction:
+    """Precompile ``module``'s forward and install it as ``module.forward``.
+
+    The class's ``forward`` is compiled with the module as its first argument, so the
+    parameters stay live (optimizer updates are seen, gradients reach them). Calling
+    ``module(...)`` then runs the module's hooks eagerly around the compiled forward;
+    a wrapper such as `cadence.DataParallel` keeps doing its work outside the graph.
+    ``del module.forward`` restores the eager forward. Keyword arguments are those of
+    `precompile`.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise PrecompileUsageError(f"module must be an nn.Module, got {type(module).__name__}")
+    if "forward" in vars(module):
+        raise PrecompileUsageError(
+            f"{type(module).__name__}.forward is already replaced on this instance "
+            "(precompiled already?); `del module.forward` first"
+        )
+    compiled = precompile(
+        types.MethodType(type(module).forward, module), example_args, example_kwargs, **kwargs
+    )
+    module.forward = compiled  # type: ignore[method-assign]
+    return compiled
