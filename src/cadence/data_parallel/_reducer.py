@@ -260,7 +260,12 @@ class Reducer:
     def _launch_ready(self) -> None:
         w = self.window
         assert w is not None
-        while w.next_bucket < len(self.buckets) and w.pending[w.next_bucket] <= 0:
+        buckets = self.buckets
+        while (
+            w.next_bucket < len(buckets)
+            and w.pending[w.next_bucket] <= 0
+            and not buckets[w.next_bucket].delayed  # launched by _flush, when backward ends
+        ):
             self._launch(w.next_bucket)
             w.next_bucket += 1
         if w.next_bucket == len(self.buckets) and self.find_unused and w.used_map_work is None:
@@ -318,6 +323,18 @@ class Reducer:
             return
         w.ended = True
         if self.manual:
+            last = len(self.buckets) - 1
+            if (
+                self.buckets[last].delayed
+                and w.next_bucket == last
+                and w.pending[last] <= 0
+                and not w.learning
+            ):
+                # The delayed bucket's time is the end of backward, in manual mode too.
+                self._launch(last)
+                w.next_bucket += 1
+                if self.find_unused and w.used_map_work is None:
+                    self._launch_used_map()
             return
         try:
             self.finalize(blocking=True, end_of_backward=True)
