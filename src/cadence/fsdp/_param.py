@@ -74,8 +74,11 @@ def _is_unit(module: nn.Module) -> bool:
     return getattr(module, "_cadence_unit", None) is not None
 
 
-def collect_params(root: nn.Module) -> list[ParamInfo]:
-    """Params of ``root`` not owned by a nested unit; ties inside are merged, across raise."""
+def collect_params(root: nn.Module, *, ignored: set[int] | None = None) -> list[ParamInfo]:
+    """Params of ``root`` not owned by a nested unit; ties inside are merged, across raise.
+
+    ``ignored``: ids of parameters to leave alone (FSDP2's ``ignored_params``).
+    """
     by_id: dict[int, ParamInfo] = {}
     owned_elsewhere: dict[int, str] = {}
     for sub in root.modules():
@@ -86,7 +89,7 @@ def collect_params(root: nn.Module) -> list[ParamInfo]:
     while stack:
         prefix, module = stack.pop()
         for name, p in list(module._parameters.items()):
-            if p is None:
+            if p is None or (ignored and id(p) in ignored):
                 continue
             fqn = f"{prefix}{name}"
             if id(p) in owned_elsewhere:
