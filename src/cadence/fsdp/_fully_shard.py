@@ -21,7 +21,7 @@ from cadence.fsdp._api import (
     check_offload_policy,
     to_mp_policy,
 )
-from cadence.fsdp._param import ParamInfo, collect_params
+from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
 from cadence.fsdp._state import Runtime
 from cadence.fsdp._unit import ShardedState, Unit
 from cadence.topology import DataParallelGroup, DataParallelLayout
@@ -406,6 +406,7 @@ def fully_shard(
         arg = u.reshard_after_forward_arg
         u.reshard_after_forward = (u is not unit) if arg is None else arg
 
+    module.register_state_dict_post_hook(picklable_shards_hook)
     wrapped = cast(FullyShardedModule, module)
     module.register_forward_pre_hook(
         lambda m, args, kwargs: wrapped._runtime.pre_forward(unit, args, kwargs),
