@@ -58,6 +58,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cadence import _autograd
+from cadence._pending_grad import GradGuard
 from cadence.comm import Comm, CommWork, EventLog, ReductionHandle
 from cadence.fsdp._api import FullyShardError
 from cadence.fsdp._unit import PendingReduction, ShardedState, Unit
@@ -97,6 +98,8 @@ class Runtime:
         self.inflight: deque[PendingReduction] = deque()  # RS issued, not waited
         self.retired: list[PendingReduction] = []  # RS waited (AR maybe issued), grads not written
         self.handle: ReductionHandle | None = None
+        # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
+        self.grad_guard = GradGuard("fully_shard")
         self.cleanup_fault: Callable[[Unit], None] | None = None  # test hook
         # -- accounting --
         self.peak_unsharded_bytes = 0
@@ -318,8 +321,20 @@ class Runtime:
         self.state = TrainingState.IDLE
         if not self.manual_finalization and self.is_last_backward:
             self.wait_and_cleanup()
+        else:
+            self.guard_pending_grads()
 
     # -- finalization -----------------------------------------------------------
+
+    def guard_pending_grads(self) -> None:
+        """Put `PendingGrad` in the ``.grad`` of units whose reduction is not written yet."""
+        for pr in list(self.inflight) + self.retired:
+            if not pr.held:
+                self.grad_guard.poison(
+                    (info.fqn, info.sharded)
+                    for info in pr.unit.params
+                    if info.requires_grad and info.sharded is not None
+                )
 
     def wait_and_cleanup(self) -> None:
         """See [Note: one wait-and-cleanup path]."""
@@ -333,6 +348,7 @@ class Runtime:
             if self.cleanup_fault is not None:
                 self.cleanup_fault(pr.unit)
             if not pr.held:
+                self.grad_guard.restore(info.sharded for info in pr.unit.params)
                 pr.unit.write_sharded_grads(pr.rs_output)
             self.retired.pop(0)
 
@@ -388,6 +404,7 @@ class Runtime:
         if not async_op:
             handle.wait()
             return None
+        self.guard_pending_grads()  # until handle.wait() writes them
         return handle
 
     def reset_iter_state(self) -> None:
@@ -399,6 +416,7 @@ class Runtime:
         self.inflight.clear()
         self.retired.clear()
         self.handle = None
+        self.grad_guard.restore()
         for unit in self.units:
             unit.accumulated = None
             unit.partial_reduce = None
