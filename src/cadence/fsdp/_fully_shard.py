@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -29,6 +30,59 @@ from cadence.topology import DataParallelGroup, DataParallelLayout
 __all__ = ["FullyShardedModule", "UnshardHandle", "fully_shard"]
 
 _CLASS_CACHE: dict[type, type] = {}
+_PREFIX = "FullyShard["
+
+
+def _long_name(cls: type) -> str:
+    module = cls.__module__.replace(".", "/")
+    return f"{_PREFIX}{module}:{cls.__qualname__.replace('.', '/')}]"
+
+
+def _fully_shard_class(cls: type) -> type:
+    """The ``FullyShard<Cls>`` class, created once and findable by name.
+
+    [Note: findable FullyShard classes]
+    fully_shard swaps a module's class for a dynamic subclass. Anything that
+    pickles that class by reference (torch.compile's serialized guards, which
+    precompile ships from the compiling rank to the others; ``torch.save`` of a
+    whole module) looks it up as ``module.qualname`` in the receiving process. So
+    each class is stored as an attribute of this module, under its ``__name__``
+    (which is also its ``__qualname__``: torch's guard pickler replaces a module
+    whose class has a differing qualname by a plain ``nn.Module``, which a type
+    guard then rejects). The name is ``FullyShard<Cls>`` (as FSDP2's ``FSDP<Cls>``);
+    a second wrapped class with the same ``__name__`` from another module gets the
+    long form ``FullyShard[pkg/mod:Outer/Inner]`` (no dots: pickle walks dotted
+    qualnames). The long form encodes the original class, so the module
+    ``__getattr__`` below re-creates it in a process that has not wrapped such a
+    module yet; the short form resolves in every process that wrapped the class,
+    which in SPMD training is every rank.
+    """
+    new_cls = _CLASS_CACHE.get(cls)
+    if new_cls is None:
+        name = f"FullyShard{cls.__name__}"
+        taken = globals().get(name)
+        if taken is not None and taken.__mro__[2] is not cls:
+            name = _long_name(cls)
+        new_cls = type(name, (FullyShardedModule, cls), {"__module__": __name__})
+        _CLASS_CACHE[cls] = new_cls
+        globals()[name] = new_cls
+    return new_cls
+
+
+def __getattr__(name: str) -> Any:
+    """Find (re-create) a long-form ``FullyShard[...]`` class by its attribute name."""
+    if not (name.startswith(_PREFIX) and name.endswith("]")):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, _, qualname = name[len(_PREFIX) : -1].partition(":")
+    target: Any = importlib.import_module(module.replace("/", "."))
+    for part in qualname.split("/"):
+        target = getattr(target, part)
+    if not (isinstance(target, type) and issubclass(target, nn.Module)):
+        raise AttributeError(f"{name!r} does not name an nn.Module class")
+    new_cls = _fully_shard_class(target)
+    if new_cls.__name__ != name:  # it was created under its short name
+        globals()[name] = new_cls
+    return new_cls
 
 
 class UnshardHandle:
@@ -386,10 +440,7 @@ def fully_shard(
     )
     unit.event_log = event_log
     module._cadence_unit = unit  # type: ignore[assignment]
-    cls = type(module)
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
-    module.__class__ = _CLASS_CACHE[cls]
+    module.__class__ = _fully_shard_class(type(module))
 
     # This call's module is the root until a later call wraps it: rebuild the runtime.
     units = [m._cadence_unit for m in module.modules() if isinstance(m, FullyShardedModule)]
