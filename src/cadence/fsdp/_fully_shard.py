@@ -126,6 +126,19 @@ class FullyShardedModule(nn.Module):
         for unit in self._units(recurse):
             unit.requires_gradient_sync = enabled
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, so a DDP script's accumulation loop works unchanged.
+
+        Setting it is ``set_requires_gradient_sync(flag)`` (recursive); reading it is
+        True when every unit under this module reduces.
+        """
+        return all(u.requires_gradient_sync for u in self._units(recurse=True))
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, enabled: bool) -> None:
+        self.set_requires_gradient_sync(enabled)
+
     def set_is_last_backward(self, is_last: bool) -> None:
         """False: the end of the coming backwards leaves their reductions in flight.
 
