@@ -136,6 +136,21 @@ def groups() -> dict[str, Any]:
     return out
 
 
+def _mp(**kwargs: Any) -> Any:
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    return _MixedPrecision(**kwargs)
+
+
+def _static_graph_pending() -> str:
+    dp = cadence.DataParallel(make_mlp())
+    dp.require_manual_backward_finalization = True
+    _step(dp, 0)
+    msg = expect_error(dp._set_static_graph, "_set_static_graph()", "between steps")
+    dp.finalize_backward()
+    return msg
+
+
 def devices() -> dict[str, str]:
     """device_ids / output_device: DDP's rules on a CPU module (errors that name the fix)."""
     return {
@@ -153,6 +168,46 @@ def devices() -> dict[str, str]:
         "dim_type": expect_error(
             lambda: cadence.DataParallel(make_mlp(), dim="0"),  # type: ignore[arg-type]
             "dim must be an int",
+        ),
+        "static_graph_pending": _static_graph_pending(),
+        "delay_wrong_param": expect_error(
+            lambda: cadence.DataParallel(
+                make_mlp(),
+                delay_all_reduce_named_params=[("0.weight", nn.Parameter(torch.ones(1)))],
+            ),
+            "delay_all_reduce_named_params names '0.weight'",
+        ),
+        "hook_without_delay": expect_error(
+            lambda: cadence.DataParallel(
+                make_mlp(), param_to_hook_all_reduce=nn.Parameter(torch.ones(1))
+            ),
+            "needs delay_all_reduce_named_params",
+        ),
+        "caps_list_and_first": expect_error(
+            lambda: cadence.DataParallel(
+                make_mlp(), bucket_cap_mb_list=[1.0], first_bucket_cap_mb=0.5
+            ),
+            "drop first_bucket_cap_mb",
+        ),
+        "negative_cap": expect_error(
+            lambda: cadence.DataParallel(make_mlp(), bucket_cap_mb=-1), "must be positive"
+        ),
+        "reduce_dtype_disagree": expect_error(
+            lambda: cadence.DataParallel(
+                make_mlp(),
+                mixed_precision=_mp(reduce_dtype=torch.bfloat16),
+                reduce_dtype=torch.float16,
+            ),
+            "disagree",
+        ),
+        "mesh_2d": expect_error(
+            lambda: cadence.DataParallel(
+                make_mlp(),
+                device_mesh=torch.distributed.device_mesh.init_device_mesh(
+                    "cpu", (1, dist.get_world_size())
+                ),
+            ),
+            "device_mesh must be 1-D",
         ),
         "none_ok": "ok"
         if cadence.DataParallel(make_mlp(), [], None, 1).device_ids is None

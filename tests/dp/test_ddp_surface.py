@@ -47,9 +47,23 @@ def test_process_group_and_device_mesh(surface: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["cpu_device_ids", "two_device_ids", "output_device_alone", "dim_type", "none_ok"]
+    "case",
+    [
+        "cpu_device_ids",
+        "two_device_ids",
+        "output_device_alone",
+        "dim_type",
+        "static_graph_pending",
+        "delay_wrong_param",
+        "hook_without_delay",
+        "caps_list_and_first",
+        "negative_cap",
+        "reduce_dtype_disagree",
+        "mesh_2d",
+        "none_ok",
+    ],
 )
-def test_device_arguments(surface: list[dict[str, Any]], case: str) -> None:
+def test_argument_errors(surface: list[dict[str, Any]], case: str) -> None:
     assert surface[0]["devices"][case] == "ok", surface[0]["devices"][case]
 
 

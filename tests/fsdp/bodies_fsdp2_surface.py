@@ -124,6 +124,18 @@ def _arguments(rank: int, world: int) -> dict[str, Any]:
     out["dp_mesh_dims"] = _error(
         lambda: fully_shard(make_blocks(), dp_mesh_dims=object()), "dp_mesh_dims"
     )
+    out["other_offload"] = _error(
+        lambda: fully_shard(make_blocks(), offload_policy=object()), "OffloadPolicy()"
+    )
+    m = fully_shard(make_blocks())
+    y = loss_fn(m, torch.randn(2, 16))
+    y.register_hook(
+        lambda g: out.__setitem__(
+            "all_reduce_in_backward",
+            _error(lambda: m.set_requires_all_reduce(False), "inside backward"),
+        )
+    )
+    y.backward()
     out["bad_mp"] = _error(lambda: fully_shard(make_blocks(), mp_policy="bf16"), "mp_policy=str")
     # ignored_params: left a plain parameter; its gradient stays local.
     m = make_blocks()

@@ -38,6 +38,8 @@ def test_torch_mixed_precision_policy(surface: list[dict[str, Any]]) -> None:
         "placement_dim1",
         "dp_mesh_dims",
         "bad_mp",
+        "other_offload",
+        "all_reduce_in_backward",
     ],
 )
 def test_refused_arguments(surface: list[dict[str, Any]], case: str) -> None:
