@@ -39,6 +39,7 @@ _LAZY = {
     "WindowState": "cadence.data_parallel:WindowState",
     "build_pipeline": "cadence.pipeline:build_pipeline",
     "fully_shard": "cadence.fsdp:fully_shard",
+    "gradient_timing": "cadence._torch_timing:gradient_timing",
     "init": "cadence._dist_init:init",
     "pickling": "cadence.pickling",
     "pipeline": "cadence.pipeline",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from cadence import pickling, pipeline, testing
     from cadence._dist_init import init
     from cadence._timing import GradientTiming
+    from cadence._torch_timing import gradient_timing
     from cadence.comm import Comm, CommEvent, CommWork, EventLog, ReductionHandle
     from cadence.data_parallel import DataParallel, WindowState
     from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
@@ -79,6 +81,7 @@ __all__ = [
     "__version__",
     "build_pipeline",
     "fully_shard",
+    "gradient_timing",
     "init",
     "launch",
     "pickling",

@@ -188,6 +188,14 @@ def _bounded(rank: int, world: int, bound: int) -> tuple[int, int]:
     return m.memory_stats()["peak_inflight_reductions"], log.count("reduce_scatter")
 
 
+def _written(p: Any) -> bool:
+    """``p.grad`` holds a gradient (not None, not the pending-reduction placeholder)."""
+    from cadence._pending_grad import PendingGrad
+
+    g = p.grad
+    return g is not None and not isinstance(getattr(g, "_local_tensor", g), PendingGrad)
+
+
 def _checks_reduce(rank: int, world: int, out: dict[str, Any]) -> None:
     x = _batch(rank, world)
     bounded = run_subtests({"bound": [1, 2]}, _bounded, rank, world)
@@ -204,10 +212,11 @@ def _checks_reduce(rank: int, world: int, out: dict[str, Any]) -> None:
     rs = log.collectives("reduce_scatter")
     out["rs_issued_in_backward"] = len(rs)
     out["rs_unwaited_after_backward"] = sum(1 for e in rs if e.wait_end_t is None)
-    out["grads_before_finalize"] = sum(p.grad is not None for p in m.parameters())
+    # Until written, .grad is a placeholder that raises on use (see cadence/_pending_grad.py).
+    out["grads_before_finalize"] = sum(_written(p) for p in m.parameters())
     handle = m.finalize_backward(async_op=True)
     out["handle_type"] = type(handle).__name__
-    out["grads_before_wait"] = sum(p.grad is not None for p in m.parameters())
+    out["grads_before_wait"] = sum(_written(p) for p in m.parameters())
     out["inflight_before_wait"] = m.memory_stats()["inflight_reductions"] > 0 or bool(
         m._runtime.retired
     )

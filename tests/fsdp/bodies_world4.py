@@ -103,6 +103,8 @@ def hsdp_body(dcp_path: str, dcp_path_back: str) -> dict[str, Any]:
         "deferred_sync": (never, "sync"),
         "deferred_async": (never, "async"),
         "manual_sync_last": (nosync, "async"),
+        # set_requires_all_reduce(False): reduce-scatter only; the last one all-reduces.
+        "no_all_reduce": (lambda m, i, last: m.set_requires_all_reduce(last), None),
     }
     runs = run_subtests({"mode": list(modes)}, lambda mode: _hsdp_run(pg, *modes[mode]))
     for name in modes:

@@ -38,6 +38,8 @@ def w4(world2: list[dict[str, Any]], dcp_dir: Path) -> dict[str, Any]:
         # Manual mode: an all-reduce is issued when its reduce-scatter retires; with one
         # reduction in flight (the default), three retire during backward, one in finalize.
         ("manual_sync_last", [(7, 0, 0), (7, 4, 3)] * 2),
+        # HSDP replicas exchange one all-reduce per unit per accumulation window.
+        ("no_all_reduce", [(7, 4, 0), (7, 4, 4)] * 2),
     ],
 )
 def test_hsdp_2x2_parity_and_counts(w4: dict[str, Any], mode: str, counts: list[Any]) -> None:

@@ -1,15 +1,20 @@
 """Bucket plan: which parameters share one flat all-reduce buffer.
 
 Parameters are walked in registration order and packed greedily, never split;
-a bucket closes once it reaches its cap. The first bucket in registration order
-gets the small ``first_bucket_cap_mb`` cap. The list is then reversed, because
+a bucket closes once it reaches its cap. Caps are given in registration order,
+the last one repeating; by default the first bucket gets a small cap. The list
+is then reversed, because
 gradients arrive roughly in reverse registration order; so the small bucket is
 the *last* one reduced, which keeps the exposed tail of backward short (the same
 reason torch DDP caps its first bucket at 1 MiB).
+
+Parameters whose reduction is *delayed* (DDP's ``delay_all_reduce_named_params``)
+form one extra bucket after all the others, launched only at the end of backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,39 +34,45 @@ class Bucket:
     names: list[str]
     buffer: torch.Tensor  # 1-D, wire dtype
     views: list[torch.Tensor] = field(default_factory=list)  # per-param views into buffer
+    delayed: bool = False  # launched only when backward ends (never from a grad hook)
 
 
 def build_buckets(
     named_params: list[tuple[str, torch.nn.Parameter]],
     *,
-    bucket_cap_mb: float,
-    first_bucket_cap_mb: float | None,
+    bucket_caps_mb: Sequence[float],
     reduce_dtype: torch.dtype | None,
+    delayed: frozenset[int] = frozenset(),
 ) -> list[Bucket]:
-    """Group ``named_params`` into buckets, returned in launch (reverse) order."""
+    """Group ``named_params`` into buckets, returned in launch (reverse) order.
+
+    ``bucket_caps_mb[k]`` caps the k-th bucket in registration order; the last
+    entry repeats. ``delayed``: parameter indices for the delayed bucket.
+    """
     groups: list[list[int]] = []
-    # The small cap never exceeds the regular one (a tiny bucket_cap_mb means tiny buckets).
-    first = (
-        bucket_cap_mb if first_bucket_cap_mb is None else min(first_bucket_cap_mb, bucket_cap_mb)
-    )
-    caps = [first * _MB, bucket_cap_mb * _MB]
+    caps = [c * _MB for c in bucket_caps_mb]
     # Buckets are per (dtype, device): one flat buffer needs one of each.
     # Open bucket per key: [member indices, cap in bytes, bytes so far].
     open_by_key: dict[tuple[torch.dtype, torch.device], list] = {}
     for i, (_, p) in enumerate(named_params):
+        if i in delayed:
+            continue
         wire = reduce_dtype or p.dtype
         key = (wire, p.device)
         current = open_by_key.get(key)
         if current is None:
-            current = [[], caps[0] if not groups else caps[1], 0]
+            current = [[], caps[min(len(groups), len(caps) - 1)], 0]
             groups.append(current[0])
             open_by_key[key] = current
         current[0].append(i)
         current[2] += p.numel() * torch.empty(0, dtype=wire).element_size()
         if current[2] >= current[1]:
             del open_by_key[key]
+    order = list(reversed(groups))
+    if delayed:
+        order.append(sorted(delayed))
     buckets = []
-    for index, members in enumerate(reversed(groups)):
+    for index, members in enumerate(order):
         params = [named_params[j][1] for j in members]
         wire = reduce_dtype or params[0].dtype
         numel = sum(p.numel() for p in params)
@@ -79,6 +90,7 @@ def build_buckets(
                 names=[named_params[j][0] for j in members],
                 buffer=buffer,
                 views=views,
+                delayed=bool(delayed) and index == len(order) - 1,
             )
         )
     return buckets

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from cadence import _autograd
+from cadence._pending_grad import GradGuard
 from cadence.comm import Comm, CommWork, ReductionHandle
 from cadence.data_parallel._buckets import Bucket
 from cadence.data_parallel.comm_hooks import GradBucket
@@ -130,6 +131,8 @@ class Reducer:
         self.last_token: ForwardToken | None = None
         self.manual = False
         self.require_sync = True
+        # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
+        self.grad_guard = GradGuard("DataParallel")
 
     # -- state queries --------------------------------------------------------
 
@@ -260,7 +263,12 @@ class Reducer:
     def _launch_ready(self) -> None:
         w = self.window
         assert w is not None
-        while w.next_bucket < len(self.buckets) and w.pending[w.next_bucket] <= 0:
+        buckets = self.buckets
+        while (
+            w.next_bucket < len(buckets)
+            and w.pending[w.next_bucket] <= 0
+            and not buckets[w.next_bucket].delayed  # launched by _flush, when backward ends
+        ):
             self._launch(w.next_bucket)
             w.next_bucket += 1
         if w.next_bucket == len(self.buckets) and self.find_unused and w.used_map_work is None:
@@ -318,6 +326,19 @@ class Reducer:
             return
         w.ended = True
         if self.manual:
+            last = len(self.buckets) - 1
+            if (
+                self.buckets[last].delayed
+                and w.next_bucket == last
+                and w.pending[last] <= 0
+                and not w.learning
+            ):
+                # The delayed bucket's time is the end of backward, in manual mode too.
+                self._launch(last)
+                w.next_bucket += 1
+                if self.find_unused and w.used_map_work is None:
+                    self._launch_used_map()
+            self.grad_guard.poison(self.params)
             return
         try:
             self.finalize(blocking=True, end_of_backward=True)
@@ -356,6 +377,7 @@ class Reducer:
             self.window = w
         else:
             return None
+        self.grad_guard.restore()  # launching the remaining buckets reads the local grads
         missing = self._flush()
         handle = ReductionHandle(
             [x for x in w.works if x is not None]
@@ -366,6 +388,7 @@ class Reducer:
         if blocking:
             handle.wait()
             return None
+        self.grad_guard.poison(self.params)  # until handle.wait() writes them
         self.handle = handle
         return handle
 
@@ -389,6 +412,7 @@ class Reducer:
         return missing
 
     def _complete(self, w: _Window, missing: list[str]) -> None:
+        self.grad_guard.restore()
         globally_unused: set[int] = set()
         if w.used_map is not None:
             globally_unused = {i for i, n in enumerate(w.used_map.tolist()) if n == 0}
@@ -417,6 +441,7 @@ class Reducer:
             )
 
     def reset(self) -> None:
+        self.grad_guard.restore()
         self.window = None
         self.accumulating = False
         self.handle = None

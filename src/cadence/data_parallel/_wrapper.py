@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from cadence import _autograd
 from cadence._timing import refuse_inside_backward
 from cadence.comm import Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
+from cadence.data_parallel._ddp_args import UNSET, resolve_ddp_args
 from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
 from cadence.errors import CadenceValueError
 from cadence.topology import DataParallelGroup, DataParallelLayout
@@ -76,25 +80,31 @@ class DataParallel(nn.Module):
       ``finalize_backward(async_op=True)`` (returns a `ReductionHandle`) when
       you want the result, e.g. after sparse work or from a backward hook.
 
+    Accepts torch ``DistributedDataParallel``'s whole constructor signature, in
+    its order (see [Note: DDP arguments] in ``_ddp_args.py`` for what each does),
+    plus cadence's keyword-only options.
+
     Args:
         module: the model replica.
+        device_ids, output_device, dim, broadcast_buffers, init_sync, process_group,
+            bucket_cap_mb, find_unused_parameters, check_reduction,
+            gradient_as_bucket_view, static_graph, delay_all_reduce_named_params,
+            param_to_hook_all_reduce, mixed_precision, device_mesh,
+            skip_all_reduce_unused_params, bucket_cap_mb_list, batched_grad_copy,
+            forward_sync_buffers: as torch DDP. Notably ``bucket_cap_mb`` caps every
+            bucket; left at None, the first bucket (reduced last) gets 1 MiB and the
+            others 25 MiB. ``find_unused_parameters`` costs one extra small all-reduce
+            per step; ``static_graph`` learns the used parameters on the first synced
+            step (no overlap on that step).
         group: the data-parallel group to all-reduce over: None (the world), a
             ProcessGroup, a `ParallelGroups` (its flattened ``dp`` group) or a 1-D or
             2-D DeviceMesh (flattened). See [Note: the meaning of group=] in
             ``cadence/topology.py``; fully_shard reads it the same way.
-        bucket_cap_mb: bucket size cap in MiB (parameters are never split).
+            ``process_group=`` and ``device_mesh=`` are DDP's spellings of it.
         first_bucket_cap_mb: cap of the bucket holding the first-registered
-            parameters, reduced last; small so the exposed tail is short.
+            parameters, reduced last (default: DDP's rule above).
         reduce_dtype: dtype on the wire (e.g. ``torch.bfloat16``); ``.grad`` keeps
             the parameter dtype, so accumulation stays in full precision.
-        gradient_as_bucket_view: ``.grad`` is a view into the bucket (no copies).
-        find_unused_parameters: parameters may get no gradient; one extra small
-            all-reduce per step finds the globally unused ones (their ``.grad``
-            is left untouched, as DDP).
-        static_graph: the set of used parameters and their gradient counts per
-            backward are fixed; learned on the first synced step (no overlap on
-            that step). Allows reentrant checkpointing and reused modules.
-        broadcast_buffers: broadcast buffers from rank 0 at every forward.
         event_log: record collectives here (otherwise a log bounded to the newest
             4096 events is kept as ``dp.event_log``).
     """
@@ -102,26 +112,62 @@ class DataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[Any] | None = None,
+        output_device: Any = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+        param_to_hook_all_reduce: nn.Parameter | None = None,
+        mixed_precision: Any = None,
+        device_mesh: DeviceMesh | None = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Sequence[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
         *,
         group: DataParallelGroup = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float | None = 1.0,
+        first_bucket_cap_mb: float | None = UNSET,
         reduce_dtype: torch.dtype | None = None,
-        gradient_as_bucket_view: bool = False,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        broadcast_buffers: bool = True,
         event_log: EventLog | None = None,
     ) -> None:
         super().__init__()
-        if bucket_cap_mb <= 0 or (first_bucket_cap_mb is not None and first_bucket_cap_mb <= 0):
-            raise CadenceValueError(
-                f"bucket caps must be positive, got bucket_cap_mb={bucket_cap_mb}, "
-                f"first_bucket_cap_mb={first_bucket_cap_mb}"
-            )
+        plan = resolve_ddp_args(
+            module,
+            group=group,
+            device_ids=device_ids,
+            output_device=output_device,
+            dim=dim,
+            broadcast_buffers=broadcast_buffers,
+            init_sync=init_sync,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            bucket_cap_mb_list=bucket_cap_mb_list,
+            first_bucket_cap_mb=first_bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            check_reduction=check_reduction,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision,
+            reduce_dtype=reduce_dtype,
+            device_mesh=device_mesh,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            forward_sync_buffers=forward_sync_buffers,
+        )
+        reduce_dtype = plan.reduce_dtype
         if reduce_dtype is not None and not reduce_dtype.is_floating_point:
             raise CadenceValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [
+            (n, p)
+            for n, p in module.named_parameters()
+            if p.requires_grad and n not in plan.ignored
+        ]
         if not named:
             raise CadenceValueError(
                 "DataParallel needs a module with at least one parameter requiring grad"
@@ -139,21 +185,34 @@ class DataParallel(nn.Module):
             if p.is_sparse or p.layout != torch.strided:
                 raise CadenceValueError(f"parameter '{n}' is not a dense strided tensor")
         self.module = module
-        layout = DataParallelLayout.of(group, who="DataParallel")
+        layout = DataParallelLayout.of(plan.group, who="DataParallel")
         # Without a caller's log, keep a bounded one: stats() and debugging need recent
         # events, but a million-step run must not grow memory without bound.
         self.event_log = event_log if event_log is not None else EventLog(capacity=4096)
-        self._comm = Comm(layout.dp_group(), event_log=self.event_log, name="dp")
-        self.broadcast_buffers = broadcast_buffers
-        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.process_group = layout.dp_group()
+        self._comm = Comm(self.process_group, event_log=self.event_log, name="dp")
+        # -- DDP's public attributes, as scripts read them --
+        self.device_ids = plan.device_ids
+        self.output_device = plan.output_device
+        self.dim = dim
+        self.device = named[0][1].device
+        self.broadcast_buffers = plan.forward_sync_buffers
+        self.require_forward_param_sync = True
+        self._input_device = plan.input_device
+        self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in plan.ignored]
+        self._gradient_as_bucket_view = gradient_as_bucket_view
         self._no_sync_depth = 0
-        self._verify_and_broadcast(named)
+        self._is_last_backward = True
+        if plan.init_sync:
+            self._verify_and_broadcast(named, with_buffers=plan.init_sync_buffers)
+        index = {n: i for i, (n, _) in enumerate(named)}
         buckets = build_buckets(
             named,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_cap_mb=first_bucket_cap_mb,
+            bucket_caps_mb=plan.bucket_caps_mb,
             reduce_dtype=reduce_dtype,
+            delayed=frozenset(index[n] for n in plan.delayed if n in index),
         )
+        self.bucket_bytes_cap = int(plan.bucket_caps_mb[-1] * 1024 * 1024)
         self._reducer = Reducer(
             buckets,
             named,
@@ -172,7 +231,9 @@ class DataParallel(nn.Module):
 
     # -- construction ---------------------------------------------------------
 
-    def _verify_and_broadcast(self, named: list[tuple[str, nn.Parameter]]) -> None:
+    def _verify_and_broadcast(
+        self, named: list[tuple[str, nn.Parameter]], *, with_buffers: bool
+    ) -> None:
         if self._comm.world_size == 1:
             return
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
@@ -189,7 +250,8 @@ class DataParallel(nn.Module):
                 )
         with torch.no_grad():
             self._broadcast_tensors([p for _, p in named])
-            self._broadcast_tensors(list(self.module.buffers()))
+            if with_buffers:
+                self._broadcast_tensors(self._buffers_to_sync)
 
     def _broadcast_tensors(self, tensors: list[torch.Tensor]) -> None:
         # One broadcast per dtype (coalesced), not one per tensor.
@@ -261,6 +323,94 @@ class DataParallel(nn.Module):
             DataParallelError,
         )
         self._reducer.require_sync = bool(enabled)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, honoured: False makes backwards accumulate without reducing.
+
+        The same flag as `set_requires_gradient_sync`. DDP reads it at forward; cadence
+        reads it when the backward starts, so setting it before the forward (as
+        scripts do) behaves identically.
+        """
+        return self._reducer.require_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, enabled: bool) -> None:
+        self.set_requires_gradient_sync(enabled)
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """torch DDP 2.13's name of ``broadcast_buffers`` (read at every forward)."""
+        return self.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, enabled: bool) -> None:
+        self.broadcast_buffers = bool(enabled)
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers from rank 0 (as torch DDP)."""
+        return bool(
+            self.require_forward_param_sync and self.broadcast_buffers and self._buffers_to_sync
+        )
+
+    @property
+    def gradient_as_bucket_view(self) -> bool:
+        return self._gradient_as_bucket_view
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        return self._reducer.find_unused
+
+    @property
+    def static_graph(self) -> bool:
+        return self._reducer.static_graph
+
+    def _set_static_graph(self) -> None:
+        """torch DDP's toggle: the graph is static from the next synced backward on."""
+        if self._reducer.pending or _autograd.in_backward():
+            raise DataParallelError(
+                "_set_static_graph() while a backward or its reductions are pending; call it "
+                "between steps (or pass static_graph=True to the constructor)."
+            )
+        self._reducer.static_graph = True
+
+    def set_is_last_backward(self, is_last: bool) -> None:
+        """FSDP2's verb, for one-line switching: DataParallel always finalizes each synced backward.
+
+        fully_shard may leave a non-last backward's reductions in flight; DataParallel
+        cannot, because every backward reuses the same bucket buffers, so a synced
+        backward is always finalized (automatically or by you). The gradients are the
+        same either way; the flag is recorded (``is_last_backward``) and changes nothing.
+        """
+        self._is_last_backward = bool(is_last)
+
+    @property
+    def is_last_backward(self) -> bool:
+        return self._is_last_backward
+
+    def set_reshard_after_forward(self, enabled: bool, *, recurse: bool = True) -> None:
+        """FSDP2's verb, for one-line switching: nothing is sharded here, so nothing to do."""
+
+    def set_reshard_after_backward(self, enabled: bool, *, recurse: bool = True) -> None:
+        """FSDP2's verb, for one-line switching: nothing is sharded here, so nothing to do."""
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: DataParallel does not shadow collectives for ranks that ran out of data.
+
+        With uneven inputs the ranks with more batches would wait forever in an
+        all-reduce. Give every rank the same number of steps (e.g.
+        ``DistributedSampler(drop_last=True)``, or stop when any rank is out of data
+        via an all-reduced flag).
+        """
+        raise DataParallelError(
+            "DataParallel.join() (uneven inputs) is not supported: every rank must run the "
+            "same number of synced backwards. Fix: use DistributedSampler(..., drop_last=True) "
+            "or stop all ranks together when one runs out of data."
+        )
+
+    def join_hook(self, **kwargs: Any) -> Any:
+        """Refused, as `join`."""
+        return self.join()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -357,16 +507,21 @@ class DataParallel(nn.Module):
 
     # -- forward ----------------------------------------------------------------
 
+    def _to_input_device(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device != self._input_device:
+            return x.to(self._input_device, non_blocking=True)
+        return x
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._reducer.check_can_start("the next forward")
-        if self.gradient_as_bucket_view:
+        if self._gradient_as_bucket_view:
             self._attach_bucket_views()
-        if self.broadcast_buffers and self._comm.world_size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                with torch.no_grad():
-                    self._broadcast_tensors(buffers)
+        if self._comm.world_size > 1 and self.will_sync_module_buffers():
+            with torch.no_grad():
+                self._broadcast_tensors(self._buffers_to_sync)
+        if self._input_device is not None:  # device_ids=[i]: inputs move there, as DDP
+            args, kwargs = pytree.tree_map(self._to_input_device, (args, kwargs))
         out = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
             return out

@@ -1,14 +1,32 @@
-"""Policies and errors of `cadence.fully_shard` (frozen, validated dataclasses)."""
+"""Policies and errors of `cadence.fully_shard` (frozen, validated dataclasses).
+
+[Note: FSDP2 arguments]
+``cadence.fully_shard`` takes torch FSDP2's ``fully_shard`` arguments, so a script
+switches by changing the import. Each is honoured or refused, never ignored:
+
+- ``mesh``: a 1-D (shard) or 2-D (replicate, shard; HSDP) DeviceMesh, resolved
+  exactly as ``group=`` (one of the two).
+- ``reshard_after_forward``: True / False / None honoured; an int (FSDP2: reshard
+  to a smaller world) is refused.
+- ``mp_policy``: cadence's `MixedPrecisionPolicy` or torch's, converted field by
+  field (same meanings; see `to_mp_policy`).
+- ``offload_policy``: torch's base ``OffloadPolicy()`` (no offload) accepted;
+  ``CPUOffloadPolicy`` refused (see `check_offload_policy`).
+- ``shard_placement_fn``: results ``None`` / ``Shard(0)`` accepted, others refused.
+- ``ignored_params``: honoured (not sharded, gradients not reduced).
+- ``dp_mesh_dims``: refused; pass the data-parallel submesh as ``mesh``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from cadence.errors import CadenceRuntimeError, CadenceValueError
+from cadence.errors import CadenceRuntimeError, CadenceTypeError, CadenceValueError
 
-__all__ = ["FullyShardError", "MixedPrecisionPolicy"]
+__all__ = ["FullyShardError", "MixedPrecisionPolicy", "check_offload_policy", "to_mp_policy"]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -61,3 +79,53 @@ class MixedPrecisionPolicy:
         param = self.param_dtype or orig
         reduce = self.reduce_dtype or param
         return param, reduce, self.accumulate_dtype or reduce
+
+
+def to_mp_policy(policy: Any) -> MixedPrecisionPolicy:
+    """cadence's policy from ``None``, cadence's own, or torch FSDP2's `MixedPrecisionPolicy`.
+
+    torch's fields mean the same here (``reduce_dtype`` defaults to ``param_dtype``;
+    no-sync accumulation happens in the reduce dtype, as FSDP2), so the conversion
+    copies them; cadence's extra ``accumulate_dtype`` keeps its default.
+    """
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    if isinstance(policy, TorchPolicy):
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
+    raise CadenceTypeError(
+        f"fully_shard: mp_policy={type(policy).__name__}; pass a "
+        "cadence.MixedPrecisionPolicy or torch.distributed.fsdp.MixedPrecisionPolicy."
+    )
+
+
+def check_offload_policy(policy: Any) -> None:
+    """Accept "no offload" (None or torch's base `OffloadPolicy`); refuse CPU offload.
+
+    Offloading moves the shards and the optimizer step to the CPU; fully_shard keeps
+    shards on the device. Ignoring the request would silently use device memory
+    the caller planned to free, so it is refused.
+    """
+    if policy is None:
+        return
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if isinstance(policy, CPUOffloadPolicy):
+        raise FullyShardError(
+            "fully_shard: offload_policy=CPUOffloadPolicy() is not supported: cadence keeps "
+            "the shards and the optimizer state on the device. Fix: drop offload_policy "
+            "(or use torch.distributed.fsdp.fully_shard for CPU offload)."
+        )
+    if type(policy) is not OffloadPolicy:
+        raise CadenceTypeError(
+            f"fully_shard: offload_policy={type(policy).__name__}; only "
+            "torch.distributed.fsdp.OffloadPolicy() (no offload) is accepted."
+        )

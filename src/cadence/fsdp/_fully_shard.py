@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
 from cadence._timing import refuse_inside_backward
 from cadence.comm import EventLog, ReductionHandle
-from cadence.errors import CadenceValueError
-from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
-from cadence.fsdp._param import collect_params
+from cadence.errors import CadenceTypeError, CadenceValueError
+from cadence.fsdp._api import (
+    FullyShardError,
+    MixedPrecisionPolicy,
+    check_offload_policy,
+    to_mp_policy,
+)
+from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
 from cadence.fsdp._state import Runtime
 from cadence.fsdp._unit import ShardedState, Unit
 from cadence.topology import DataParallelGroup, DataParallelLayout
@@ -22,6 +30,59 @@ from cadence.topology import DataParallelGroup, DataParallelLayout
 __all__ = ["FullyShardedModule", "UnshardHandle", "fully_shard"]
 
 _CLASS_CACHE: dict[type, type] = {}
+_PREFIX = "FullyShard["
+
+
+def _long_name(cls: type) -> str:
+    module = cls.__module__.replace(".", "/")
+    return f"{_PREFIX}{module}:{cls.__qualname__.replace('.', '/')}]"
+
+
+def _fully_shard_class(cls: type) -> type:
+    """The ``FullyShard<Cls>`` class, created once and findable by name.
+
+    [Note: findable FullyShard classes]
+    fully_shard swaps a module's class for a dynamic subclass. Anything that
+    pickles that class by reference (torch.compile's serialized guards, which
+    precompile ships from the compiling rank to the others; ``torch.save`` of a
+    whole module) looks it up as ``module.qualname`` in the receiving process. So
+    each class is stored as an attribute of this module, under its ``__name__``
+    (which is also its ``__qualname__``: torch's guard pickler replaces a module
+    whose class has a differing qualname by a plain ``nn.Module``, which a type
+    guard then rejects). The name is ``FullyShard<Cls>`` (as FSDP2's ``FSDP<Cls>``);
+    a second wrapped class with the same ``__name__`` from another module gets the
+    long form ``FullyShard[pkg/mod:Outer/Inner]`` (no dots: pickle walks dotted
+    qualnames). The long form encodes the original class, so the module
+    ``__getattr__`` below re-creates it in a process that has not wrapped such a
+    module yet; the short form resolves in every process that wrapped the class,
+    which in SPMD training is every rank.
+    """
+    new_cls = _CLASS_CACHE.get(cls)
+    if new_cls is None:
+        name = f"FullyShard{cls.__name__}"
+        taken = globals().get(name)
+        if taken is not None and taken.__mro__[2] is not cls:
+            name = _long_name(cls)
+        new_cls = type(name, (FullyShardedModule, cls), {"__module__": __name__})
+        _CLASS_CACHE[cls] = new_cls
+        globals()[name] = new_cls
+    return new_cls
+
+
+def __getattr__(name: str) -> Any:
+    """Find (re-create) a long-form ``FullyShard[...]`` class by its attribute name."""
+    if not (name.startswith(_PREFIX) and name.endswith("]")):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, _, qualname = name[len(_PREFIX) : -1].partition(":")
+    target: Any = importlib.import_module(module.replace("/", "."))
+    for part in qualname.split("/"):
+        target = getattr(target, part)
+    if not (isinstance(target, type) and issubclass(target, nn.Module)):
+        raise AttributeError(f"{name!r} does not name an nn.Module class")
+    new_cls = _fully_shard_class(target)
+    if new_cls.__name__ != name:  # it was created under its short name
+        globals()[name] = new_cls
+    return new_cls
 
 
 class UnshardHandle:
@@ -64,6 +125,43 @@ class FullyShardedModule(nn.Module):
         )
         for unit in self._units(recurse):
             unit.requires_gradient_sync = enabled
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, so a DDP script's accumulation loop works unchanged.
+
+        Setting it is ``set_requires_gradient_sync(flag)`` (recursive); reading it is
+        True when every unit under this module reduces.
+        """
+        return all(u.requires_gradient_sync for u in self._units(recurse=True))
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, enabled: bool) -> None:
+        self.set_requires_gradient_sync(enabled)
+
+    def set_is_last_backward(self, is_last: bool) -> None:
+        """False: the end of the coming backwards leaves their reductions in flight.
+
+        As FSDP2: microbatches that reduce every backward need not wait each time; the
+        backward after ``set_is_last_backward(True)`` (or ``finalize_backward()``)
+        waits them all and writes ``.grad``. Sticky; the optimizer guard of
+        `register_optimizer` raises while reductions are left in flight.
+        """
+        self._runtime.is_last_backward = bool(is_last)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False skips the all-reduce over replicas (reduce-scatter only) until True.
+
+        See [Note: HSDP partial reductions] in ``_state.py``. Without replicas (1-D)
+        there is no all-reduce, and the flag has no effect, as in FSDP2.
+        """
+        refuse_inside_backward(
+            "set_requires_all_reduce()",
+            "a backward's reduction plan holds for the whole backward.",
+            FullyShardError,
+        )
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, enabled: bool, *, recurse: bool = True) -> None:
         for unit in self._units(recurse):
@@ -238,6 +336,30 @@ def _local_rows(target: DTensor) -> tuple[int, int]:
     return min(rank * chunk, target.shape[0]), local.shape[0]
 
 
+def _check_reshard_after_forward(value: Any) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    raise FullyShardError(
+        f"fully_shard: reshard_after_forward={value!r}; an int (FSDP2: reshard to a smaller "
+        "world after forward) is not supported. Pass True, False or None."
+    )
+
+
+def _check_placements(
+    params: list[ParamInfo], shard_placement_fn: Callable[[nn.Parameter], Any] | None
+) -> None:
+    if shard_placement_fn is None:
+        return
+    for info in params:
+        reg_module, reg_name = info.registrations[0]
+        placement = shard_placement_fn(reg_module._parameters[reg_name])  # type: ignore[arg-type]
+        if placement is not None and placement != Shard(0):
+            raise FullyShardError(
+                f"fully_shard: shard_placement_fn gave {placement} for {info.fqn!r}; fully_shard "
+                "shards every parameter on dim 0. Return None or Shard(0), or drop the function."
+            )
+
+
 def _unit_of(module: nn.Module) -> Unit:
     if not isinstance(module, FullyShardedModule):
         raise CadenceValueError(
@@ -250,36 +372,69 @@ def _unit_of(module: nn.Module) -> Unit:
 def fully_shard(
     module: nn.Module,
     *,
-    group: DataParallelGroup = None,
+    mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
+    offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+    group: DataParallelGroup = None,
     event_log: EventLog | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not owned by nested units) on dim 0.
 
     Apply bottom-up: chosen submodules first, then the root. Returns ``module`` itself,
     whose class becomes ``FullyShard<Class>`` (names and state-dict keys unchanged).
+    Takes torch FSDP2's ``fully_shard`` arguments (see [Note: FSDP2 arguments]).
 
     Args:
+        mesh: FSDP2's spelling of ``group=`` with a DeviceMesh (1-D: shard; 2-D:
+            (replicate, shard), HSDP). Pass one of ``mesh`` and ``group``.
+        reshard_after_forward: free the unsharded parameters after forward (re-gathered
+            for backward). ``None``: True except for the root.
+        shard_placement_fn: FSDP2's per-parameter placement; only ``None`` /
+            ``Shard(0)`` results are accepted (fully_shard shards on dim 0).
+        mp_policy: a `MixedPrecisionPolicy`, cadence's or torch's.
+        offload_policy: torch's ``OffloadPolicy()`` (no offload) is accepted;
+            ``CPUOffloadPolicy`` is refused.
+        ignored_params: parameters left alone: not sharded, not all-gathered, and
+            their gradients are not reduced (as FSDP2).
+        dp_mesh_dims: refused unless None (name the data-parallel submesh instead).
         group: the data-parallel group: None (the world), a ProcessGroup (shard over
             it), a `ParallelGroups` (shard over ``dp_shard``; HSDP when
             ``dp_replicate > 1``: all-reduce the shards over ``dp_replicate``) or a
-            DeviceMesh (1-D: shard; 2-D: (replicate, shard), HSDP). See
-            [Note: the meaning of group=] in ``cadence/topology.py``; DataParallel
-            reads it the same way.
-        reshard_after_forward: free the unsharded parameters after forward (re-gathered
-            for backward). ``None``: True except for the root.
-        mp_policy: see `MixedPrecisionPolicy`.
+            DeviceMesh (as ``mesh``). See [Note: the meaning of group=] in
+            ``cadence/topology.py``; DataParallel reads it the same way.
         event_log: records every collective (the root's log is used by all units).
     """
     if isinstance(module, FullyShardedModule):
         raise FullyShardError(
             f"fully_shard was already applied to {type(module).__name__}; apply it once."
         )
-    mp_policy = mp_policy or MixedPrecisionPolicy()
-    layout = DataParallelLayout.of(group, who="fully_shard")
+    if mesh is not None and group is not None:
+        raise CadenceValueError(
+            "fully_shard got both mesh= and group=; they name the same thing (the data-"
+            "parallel group). Pass one."
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise CadenceTypeError(
+            f"fully_shard: mesh= takes a torch DeviceMesh, got {type(mesh).__name__}; pass "
+            "other group forms as group=."
+        )
+    _check_reshard_after_forward(reshard_after_forward)
+    if dp_mesh_dims is not None:
+        raise FullyShardError(
+            "fully_shard: dp_mesh_dims is not supported; pass the data-parallel submesh "
+            '(e.g. mesh["dp_replicate", "dp_shard"]) as mesh= instead.'
+        )
+    check_offload_policy(offload_policy)
+    mp_policy = to_mp_policy(mp_policy)
+    layout = DataParallelLayout.of(mesh if mesh is not None else group, who="fully_shard")
     device = layout.device
-    params = collect_params(module)
+    ignored = {id(p) for p in ignored_params or ()}
+    params = collect_params(module, ignored=ignored)
+    _check_placements(params, shard_placement_fn)
     for info in params:
         reg_module, reg_name = info.registrations[0]
         p = reg_module._parameters[reg_name]
@@ -298,10 +453,7 @@ def fully_shard(
     )
     unit.event_log = event_log
     module._cadence_unit = unit  # type: ignore[assignment]
-    cls = type(module)
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
-    module.__class__ = _CLASS_CACHE[cls]
+    module.__class__ = _fully_shard_class(type(module))
 
     # This call's module is the root until a later call wraps it: rebuild the runtime.
     units = [m._cadence_unit for m in module.modules() if isinstance(m, FullyShardedModule)]
@@ -318,6 +470,7 @@ def fully_shard(
         arg = u.reshard_after_forward_arg
         u.reshard_after_forward = (u is not unit) if arg is None else arg
 
+    module.register_state_dict_post_hook(picklable_shards_hook)
     wrapped = cast(FullyShardedModule, module)
     module.register_forward_pre_hook(
         lambda m, args, kwargs: wrapped._runtime.pre_forward(unit, args, kwargs),

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Placement
 
 from cadence.fsdp._api import FullyShardError
 
-__all__ = ["ParamInfo", "collect_params", "make_layout"]
+__all__ = ["ParamInfo", "collect_params", "make_layout", "picklable_shards_hook"]
 
 
 @dataclass
@@ -74,8 +74,11 @@ def _is_unit(module: nn.Module) -> bool:
     return getattr(module, "_cadence_unit", None) is not None
 
 
-def collect_params(root: nn.Module) -> list[ParamInfo]:
-    """Params of ``root`` not owned by a nested unit; ties inside are merged, across raise."""
+def collect_params(root: nn.Module, *, ignored: set[int] | None = None) -> list[ParamInfo]:
+    """Params of ``root`` not owned by a nested unit; ties inside are merged, across raise.
+
+    ``ignored``: ids of parameters to leave alone (FSDP2's ``ignored_params``).
+    """
     by_id: dict[int, ParamInfo] = {}
     owned_elsewhere: dict[int, str] = {}
     for sub in root.modules():
@@ -86,7 +89,7 @@ def collect_params(root: nn.Module) -> list[ParamInfo]:
     while stack:
         prefix, module = stack.pop()
         for name, p in list(module._parameters.items()):
-            if p is None:
+            if p is None or (ignored and id(p) in ignored):
                 continue
             fqn = f"{prefix}{name}"
             if id(p) in owned_elsewhere:
@@ -148,3 +151,46 @@ def make_sharded_param(
         stride=torch.empty(info.shape, device="meta").stride(),
     )
     return nn.Parameter(dt, requires_grad=info.requires_grad)
+
+
+def _offset_free(t: DTensor) -> DTensor:
+    """The same DTensor (same local view, no copy) behind a wrapper with storage offset 0.
+
+    [Note: picklable shards]
+    A sharded parameter's local tensor is a view into the unit's flat shard, so it
+    starts at a storage offset. ``DTensor.from_local`` (and every DTensor op,
+    ``detach`` included) gives the *wrapper* that offset too, and a wrapper with a
+    non-zero offset has a non-zero ``data_ptr()``, which sends ``torch.save`` down
+    the plain-tensor path, where it reads the wrapper's (absent) storage: "invalid
+    python storage". The state dict therefore carries wrappers built at offset 0
+    around the same local view: ``torch.save`` then pickles the DTensor as a
+    subclass and its local tensor as a plain view (the flat shard's storage is
+    written once, shared by every entry), ``load_state_dict`` and DCP read the
+    entries as before, and nothing is copied.
+    """
+    out = torch.Tensor._make_wrapper_subclass(
+        type(t),
+        t.shape,
+        strides=t.stride(),
+        dtype=t.dtype,
+        device=t.device,
+        layout=t.layout,
+        requires_grad=t.requires_grad,
+    )
+    out._spec = t._spec  # type: ignore[attr-defined]
+    out._local_tensor = t._local_tensor  # type: ignore[attr-defined]
+    return out
+
+
+def picklable_shards_hook(
+    module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object
+) -> None:
+    """State-dict post-hook of each unit: see [Note: picklable shards]."""
+    for key, value in state_dict.items():
+        if (
+            key.startswith(prefix)
+            and isinstance(value, DTensor)
+            and not isinstance(value, nn.Parameter)  # keep_vars=True: the live parameter
+            and value.storage_offset() != 0
+        ):
+            state_dict[key] = _offset_free(value)

@@ -29,6 +29,14 @@ FSDP2) bounds them: issuing one more first waits the oldest, so each reduce-scat
 still overlaps the next unit's backward for the price of one extra buffer. 0 waits
 each at once (no overlap, least memory).
 
+[Note: HSDP partial reductions]
+``set_requires_all_reduce(False)`` (HSDP only) keeps the reduce-scatter over the
+shard group but skips the all-reduce over replicas: the shard-averaged output is
+added into the unit's ``partial_reduce`` and nothing is written to ``.grad``. The
+next reduction with the flag on adds the partial sum before its all-reduce (or
+``finalize_backward`` all-reduces it alone), so replicas exchange one all-reduce
+per accumulation window instead of one per microbatch; the average is the same.
+
 [Note: stale unsharded copies]
 ``reshard_after_backward=False`` is honoured after a syncing reduction: the unit stays
 unsharded, as the flag says. Its unsharded parameters then predate the optimizer step
@@ -50,7 +58,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cadence import _autograd
-from cadence.comm import Comm, EventLog, ReductionHandle
+from cadence._pending_grad import GradGuard
+from cadence.comm import Comm, CommWork, EventLog, ReductionHandle
 from cadence.fsdp._api import FullyShardError
 from cadence.fsdp._unit import PendingReduction, ShardedState, Unit
 
@@ -77,6 +86,8 @@ class Runtime:
                 )
         # -- flags --
         self.manual_finalization = False
+        # False (set_is_last_backward): the end of backward leaves reductions in flight.
+        self.is_last_backward = True
         self.max_inflight_reductions = 1  # FSDP2's default; see set_max_inflight_reductions
         # -- iteration state --
         self.state = TrainingState.IDLE
@@ -87,6 +98,8 @@ class Runtime:
         self.inflight: deque[PendingReduction] = deque()  # RS issued, not waited
         self.retired: list[PendingReduction] = []  # RS waited (AR maybe issued), grads not written
         self.handle: ReductionHandle | None = None
+        # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
+        self.grad_guard = GradGuard("fully_shard")
         self.cleanup_fault: Callable[[Unit], None] | None = None  # test hook
         # -- accounting --
         self.peak_unsharded_bytes = 0
@@ -272,13 +285,25 @@ class Runtime:
     def retire(self, pr: PendingReduction) -> None:
         pr.rs_work.wait()
         pr.rs_input = None  # free the (W, S) input as soon as the backend is done with it
-        if pr.unit.replicate_comm is not None:
-            # HSDP: the all-reduce over replicas needs the finished shard, so it is
-            # issued here, asynchronously, and waited in wait_and_cleanup.
-            with pr.unit.streams.issue("reduce_scatter"):
-                pr.ar_work = pr.unit.replicate_comm.all_reduce(
-                    pr.rs_output, op="avg", async_op=True
-                )
+        unit = pr.unit
+        if unit.replicate_comm is not None:
+            if not unit.requires_all_reduce:
+                # See [Note: HSDP partial reductions].
+                if unit.partial_reduce is None:
+                    unit.partial_reduce = pr.rs_output
+                else:
+                    unit.partial_reduce += pr.rs_output
+                pr.held = True
+            else:
+                if unit.partial_reduce is not None:
+                    pr.rs_output += unit.partial_reduce
+                    unit.partial_reduce = None
+                # HSDP: the all-reduce over replicas needs the finished shard, so it is
+                # issued here, asynchronously, and waited in wait_and_cleanup.
+                with unit.streams.issue("reduce_scatter"):
+                    pr.ar_work = unit.replicate_comm.all_reduce(
+                        pr.rs_output, op="avg", async_op=True
+                    )
         self.retired.append(pr)
 
     def final_callback(self) -> None:
@@ -294,10 +319,22 @@ class Runtime:
             unit.hooks_fired = 0
         self.backward_active = False
         self.state = TrainingState.IDLE
-        if not self.manual_finalization:
+        if not self.manual_finalization and self.is_last_backward:
             self.wait_and_cleanup()
+        else:
+            self.guard_pending_grads()
 
     # -- finalization -----------------------------------------------------------
+
+    def guard_pending_grads(self) -> None:
+        """Put `PendingGrad` in the ``.grad`` of units whose reduction is not written yet."""
+        for pr in list(self.inflight) + self.retired:
+            if not pr.held:
+                self.grad_guard.poison(
+                    (info.fqn, info.sharded)
+                    for info in pr.unit.params
+                    if info.requires_grad and info.sharded is not None
+                )
 
     def wait_and_cleanup(self) -> None:
         """See [Note: one wait-and-cleanup path]."""
@@ -310,7 +347,9 @@ class Runtime:
             pr = self.retired[0]
             if self.cleanup_fault is not None:
                 self.cleanup_fault(pr.unit)
-            pr.unit.write_sharded_grads(pr.rs_output)
+            if not pr.held:
+                self.grad_guard.restore(info.sharded for info in pr.unit.params)
+                pr.unit.write_sharded_grads(pr.rs_output)
             self.retired.pop(0)
 
     def check_all_launched_in_backward(self) -> None:
@@ -342,6 +381,15 @@ class Runtime:
                 rs_input = unit.reduce_input(None)
                 assert rs_input is not None
                 self.issue_reduction(unit, rs_input)
+            elif (
+                unit.requires_gradient_sync
+                and unit.requires_all_reduce
+                and unit.partial_reduce is not None
+                and not any(pr.unit is unit for pr in self.inflight)
+            ):
+                # HSDP: all-reduce what earlier backwards reduce-scattered only.
+                partial, unit.partial_reduce = unit.partial_reduce, None
+                self.inflight.append(PendingReduction(unit, None, partial, CommWork(None)))
         if not self.inflight and not self.retired:
             self.handle = None
             return ReductionHandle.completed("fully_shard") if async_op else None
@@ -356,6 +404,7 @@ class Runtime:
         if not async_op:
             handle.wait()
             return None
+        self.guard_pending_grads()  # until handle.wait() writes them
         return handle
 
     def reset_iter_state(self) -> None:
@@ -367,8 +416,10 @@ class Runtime:
         self.inflight.clear()
         self.retired.clear()
         self.handle = None
+        self.grad_guard.restore()
         for unit in self.units:
             unit.accumulated = None
+            unit.partial_reduce = None
             unit.pre_backward_done = unit.post_backward_done = False
             unit.hooks_fired = 0
             for info in unit.params:

@@ -38,16 +38,23 @@ class AllGatherState(NamedTuple):
 class PendingReduction:
     """One unit's reduce-scatter (and HSDP all-reduce) in flight; owns its buffers."""
 
-    __slots__ = ("ar_work", "rs_input", "rs_output", "rs_work", "unit")
+    __slots__ = ("ar_work", "held", "rs_input", "rs_output", "rs_work", "unit")
 
     def __init__(
-        self, unit: Unit, rs_input: torch.Tensor, rs_output: torch.Tensor, rs_work: CommWork
+        self,
+        unit: Unit,
+        rs_input: torch.Tensor | None,
+        rs_output: torch.Tensor,
+        rs_work: CommWork,
     ) -> None:
         self.unit = unit
         self.rs_input: torch.Tensor | None = rs_input  # (W, S) reduce dtype
         self.rs_output = rs_output  # (S,) reduce dtype
         self.rs_work = rs_work
         self.ar_work: CommWork | None = None
+        # HSDP with set_requires_all_reduce(False): the output went into the unit's
+        # partial_reduce, to be all-reduced later; nothing to write into .grad now.
+        self.held = False
 
     @property
     def input_bytes(self) -> int:
@@ -99,6 +106,8 @@ class Unit:
         )
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce shards over replicas
+        self.partial_reduce: torch.Tensor | None = None  # (S,) reduced over shards only
         # -- comm, set when the root's fully_shard call builds the runtime --
         self.event_log: EventLog | None = None
         self.comm: Comm | None = None

@@ -3,7 +3,8 @@
 [Note: the runtime drives wrappers through their public verbs only]
 The runtime never looks inside a wrapper and never checks which one it holds. It
 calls only the public timing verbs of `cadence._timing.GradientTiming`, which
-`cadence.DataParallel` and `cadence.fully_shard` both implement, so one runtime
+`cadence.DataParallel` and `cadence.fully_shard` both implement (and
+`cadence.gradient_timing` adapts torch's DDP and FSDP2 modules to), so one runtime
 drives every wrapper and a wrapper's internals can change without touching the
 pipeline. (torch pipelining instead toggles DDP's private flags and calls its
 reducer by hand, under a comment that calls it a hack; it breaks whenever DDP
@@ -40,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from cadence._timing import GradientTiming
+from cadence._torch_timing import gradient_timing
 from cadence.comm import ReductionHandle
 from cadence.pipeline.runtime.errors import PipelineStateError
 
@@ -50,7 +52,8 @@ class StageGradSync:
     """The timing verbs for one local stage's module; a no-op for plain modules."""
 
     def __init__(self, module: Any) -> None:
-        self.timing: GradientTiming | None = module if isinstance(module, GradientTiming) else None
+        # cadence's wrappers, or an adapter for torch's DDP / FSDP2 (None: plain module).
+        self.timing: GradientTiming | None = gradient_timing(module)
         self._module = module
         self._handle: ReductionHandle | None = None
         self._unshard: Any = None

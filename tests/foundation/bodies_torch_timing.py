@@ -1,0 +1,113 @@
+"""Rank body: `cadence.gradient_timing` drives torch's own FSDP2 and DDP modules."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import cadence
+from cadence.testing import max_abs_diff
+from tests.fsdp.bodies_parity import _Counter
+from tests.fsdp.common import (
+    apply_torch,
+    full_params,
+    loss_fn,
+    make_batches,
+    make_blocks,
+    reference_steps,
+)
+
+__all__ = ["torch_timing_body"]
+
+
+def _error(fn: Any, *fragments: str) -> str:
+    try:
+        fn()
+    except cadence.CadenceError as exc:
+        missing = [f for f in fragments if f not in str(exc)]
+        return f"message lacks {missing}: {exc}" if missing else "ok"
+    return "no error raised"
+
+
+def _fsdp2(rank: int, world: int) -> dict[str, Any]:
+    batches = make_batches("blocks", 2, 8)
+    ref = reference_steps(make_blocks(), batches)
+    m = make_blocks()
+    apply_torch(m, m.units())
+    timing = cadence.gradient_timing(m)
+    out: dict[str, Any] = {"is_timing": isinstance(timing, cadence.GradientTiming)}
+    timing.set_manual_backward_finalization(True)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    timing.register_optimizer(opt)
+    counts = []
+    with _Counter() as counter:
+        for batch in batches:
+            for i, mb in enumerate(batch.chunk(world)[rank].chunk(2)):
+                loss = loss_fn(m, mb) / 2
+                timing.set_requires_gradient_sync(i == 1)  # after forward, as pipelines do
+                loss.backward()
+                counts.append(counter.take()[1])
+            handle = timing.finalize_backward(async_op=True)
+            handle.wait()
+            opt.step()
+            opt.zero_grad()
+    out["rs_per_micro"] = counts
+    out["parity"] = max_abs_diff(full_params(m), ref)
+    # The deferred reduction (sync off for every backward) is what torch 2.13 cannot do.
+    timing.set_requires_gradient_sync(False)
+    loss_fn(m, batches[0].chunk(world)[rank]).backward()
+    timing.set_requires_gradient_sync(True)
+    out["deferred"] = _error(
+        lambda: timing.finalize_backward(), "accumulated with sync off", "before the last"
+    )
+    out["deferred_step"] = _error(opt.step, "never reduced")
+    timing.reset_iter_state()
+    opt.zero_grad()
+    return out
+
+
+def _ddp(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    calls: list[int] = []
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # torch checks annotations
+        calls.append(1)
+        return default_hooks.allreduce_hook(None, bucket)
+
+    ddp = DDP(copy.deepcopy(base))
+    ddp.register_comm_hook(None, hook)
+    ours = cadence.DataParallel(copy.deepcopy(base))
+    timings = [cadence.gradient_timing(ddp), cadence.gradient_timing(ours)]
+    out: dict[str, Any] = {"ours_is_itself": timings[1] is ours}
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8 * world, 8, generator=g), torch.randn(8 * world, 1, generator=g)
+    for model, timing in zip((ddp, ours), timings):
+        for i, (xb, yb) in enumerate(
+            zip(x.chunk(world)[rank].chunk(2), y.chunk(world)[rank].chunk(2))
+        ):
+            timing.set_requires_gradient_sync(i == 1)  # before forward: DDP decides there
+            (F.mse_loss(model(xb), yb) / 2).backward()
+        timing.finalize_backward()
+    out["ddp_all_reduces"] = len(calls)
+    out["parity"] = max_abs_diff(
+        {n: p.grad for n, p in ddp.named_parameters()},
+        {n: p.grad for n, p in ours.named_parameters()},
+    )
+    loss = F.mse_loss(ddp(x.chunk(world)[rank]), y.chunk(world)[rank])
+    out["flip_after_forward"] = _error(
+        lambda: timings[0].set_requires_gradient_sync(False), "set it before the forward"
+    )
+    loss.backward()
+    return out
+
+
+def torch_timing_body() -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {"fsdp2": _fsdp2(rank, world), "ddp": _ddp(rank, world)}
