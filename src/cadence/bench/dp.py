@@ -1,0 +1,156 @@
+"""``cadence bench dp``: cadence.DataParallel against torch DDP, three model shapes.
+
+Per shape every rank holds four copies of one model: a plain one (no wrapper, no
+communication: the compute-only step), cadence's DataParallel, torch DDP, and a
+second DDP (the A/A noise figure). All four step interleaved (see
+[Note: interleaving] in ``_loop.py``); a step is zero_grad + forward + backward
+(+ the reduction's end) + SGD step. Both wrappers get the same bucket caps.
+
+Reported per shape: step time cadence / DDP (target <= 0.95), DDP / DDP (A/A),
+and the overlap limit: step time / compute-only step time, for both (1.00 would
+mean communication fully hidden; the gap is the exposed communication plus the
+wrapper's own CPU work).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from typing import Any
+
+from cadence.bench._loop import (
+    device_and_backend,
+    interleave,
+    launch_ranks,
+    loadavg,
+    slowest_per_rep,
+)
+from cadence.bench._record import make_record, paired_ratios, ratio_summary
+
+__all__ = ["CASES", "rank_body", "run"]
+
+TARGET = 0.95
+
+# name -> (model kind, sizes, per-rank batch); "--quick" runs fewer repetitions of
+# the same shapes, "tiny" (tests only) shrinks them.
+CASES: dict[str, dict[str, Any]] = {
+    "mlp": {"what": "12 x [Linear(512) + GELU] + Linear(512, 1), batch 128/rank",
+            "model": "mlp", "layers": 12, "width": 512, "batch": 128},
+    "transformer": {"what": "4 x TransformerEncoderLayer(256, 4 heads, ff 1024), batch 16 x 32",
+                    "model": "transformer", "layers": 4, "width": 256, "batch": 16, "seq": 32},
+    "small_params": {"what": "64 x [Linear(64) + LayerNorm(64)] (256 tensors), batch 256/rank",
+                     "model": "small", "layers": 64, "width": 64, "batch": 256},
+}  # fmt: skip
+TINY = {"model": "mlp", "layers": 2, "width": 16, "batch": 4, "what": "tiny plumbing check"}
+
+
+def _model(spec: dict[str, Any]) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    w = spec["width"]
+    if spec["model"] == "mlp":
+        mods: list[nn.Module] = []
+        for _ in range(spec["layers"]):
+            mods += [nn.Linear(w, w), nn.GELU()]
+        return nn.Sequential(*mods, nn.Linear(w, 1))
+    if spec["model"] == "transformer":
+        layer = nn.TransformerEncoderLayer(w, 4, 4 * w, dropout=0.0, batch_first=True)
+        return nn.Sequential(*(copy.deepcopy(layer) for _ in range(spec["layers"])))
+    mods = []
+    for _ in range(spec["layers"]):
+        mods += [nn.Linear(w, w), nn.LayerNorm(w)]
+    return nn.Sequential(*mods)
+
+
+def _input(spec: dict[str, Any], rank: int, device: str) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    if spec["model"] == "transformer":
+        x = torch.randn(spec["batch"], spec["seq"], spec["width"], generator=g)
+    else:
+        x = torch.randn(spec["batch"], spec["width"], generator=g)
+    return x.to(device)
+
+
+def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int, cap_mb: float) -> Any:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cadence.data_parallel import DataParallel
+
+    rank = dist.get_rank()
+    device, _ = device_and_backend(dist.get_world_size())
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    out: dict[str, Any] = {}
+    for name, spec in cases.items():
+        base = _model(spec).to(device)
+        ddp_kw: dict[str, Any] = {"bucket_cap_mb": cap_mb}
+        if device != "cpu":
+            ddp_kw["device_ids"] = [torch.cuda.current_device()]
+        models = {
+            "plain": copy.deepcopy(base),
+            "cadence": DataParallel(copy.deepcopy(base), bucket_cap_mb=cap_mb),
+            "torch": DDP(copy.deepcopy(base), **ddp_kw),
+            "torch_b": DDP(copy.deepcopy(base), **ddp_kw),
+        }
+        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
+        x = _input(spec, rank, device)
+
+        def step(k: str, models: dict = models, opts: dict = opts, x: Any = x) -> None:
+            opts[k].zero_grad(set_to_none=True)
+            models[k](x).float().pow(2).mean().backward()
+            opts[k].step()
+
+        times = interleave({k: (lambda k=k: step(k)) for k in models}, warmup=warmup, reps=reps)
+        out[name] = {"times": times, "buckets": models["cadence"].num_buckets}
+        del models, opts
+    return out
+
+
+def summarize(cases: dict[str, dict[str, Any]], per_rank: list[Any]) -> list[dict[str, Any]]:
+    rows = []
+    for name, spec in cases.items():
+        results = [r[name]["times"] for r in per_rank]
+        step = {k: slowest_per_rep(results, k) for k in ("plain", "cadence", "torch", "torch_b")}
+        med = {k: statistics.median(v) for k, v in step.items()}
+        rows.append(
+            {
+                "case": name,
+                "what": spec["what"],
+                "metric": "step time",
+                "ratio": ratio_summary(paired_ratios(step["cadence"], step["torch"])),
+                "aa": ratio_summary(paired_ratios(step["torch"], step["torch_b"])),
+                "target": TARGET,
+                "abs_ms": {k: 1e3 * v for k, v in med.items()},
+                "extra": {
+                    "overlap_limit_cadence": med["cadence"] / med["plain"],
+                    "overlap_limit_torch": med["torch"] / med["plain"],
+                    "buckets_cadence": per_rank[0][name]["buckets"],
+                },
+            }
+        )
+    return rows
+
+
+def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
+    """Run the comparison and return its record (not yet written)."""
+    cases = {"tiny": TINY} if tiny else CASES
+    warmup, reps = (1, 2) if tiny else (3, 12) if quick else (5, 40)
+    cap_mb = 1.0
+    load0 = loadavg()
+    from cadence.bench import dp
+
+    per_rank = launch_ranks(dp.rank_body, cases, warmup, reps, cap_mb, world=world, timeout=1800)
+    return make_record(
+        "dp",
+        quick=quick,
+        rows=summarize(cases, per_rank),
+        load_before=load0,
+        settings={"world": world, "backend": device_and_backend(world)[1], "warmup": warmup, "reps": reps, "bucket_cap_mb": cap_mb,
+                  "optimizer": "SGD", "threads_per_rank": 1},
+    )  # fmt: skip

@@ -1,0 +1,243 @@
+"""``cadence bench fsdp``: cadence.fully_shard against torch's FSDP2.
+
+Model: N x [Linear(d) + GELU] + Linear(d, 1), one fully_shard unit per block plus
+the root, SGD, a small batch (the case where per-unit overhead dominates). Four
+configurations per shape: explicit prefetch (each block prefetches its neighbour
+in forward and in backward, on both sides) on/off x ``reshard_after_forward`` of
+the blocks on/off (the root keeps each library's default).
+
+Step time: cadence, FSDP2 and a second FSDP2 (A/A) in the same ranks, interleaved
+(see [Note: interleaving] in ``_loop.py``); target <= 0.70.
+
+[Note: measuring peak RSS growth]
+Memory is what the process really holds, peak resident set growth per rank, not
+a tensor-level estimate: buffers kept alive by asynchronous collectives, the
+allocator's slack and the communication library's staging all count. Each
+implementation runs in its own fresh process tree (peaks of two implementations
+in one process would mask each other). Per configuration the kernel's high-water
+mark is reset (``/proc/self/clear_refs`` with ``5``), the baseline is the current
+RSS after the model is built and sharded, and the growth is ``VmHWM - baseline``
+over a few steps. glibc's ``MALLOC_MMAP_THRESHOLD_`` is pinned to 64 KiB in these
+processes so a freed tensor's pages leave the process at once and one
+configuration's free memory does not hide the next one's peak. Target <= 1.00.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+from typing import Any
+
+from cadence.bench._loop import (
+    device_and_backend,
+    interleave,
+    launch_ranks,
+    loadavg,
+    slowest_per_rep,
+)
+from cadence.bench._record import make_record, paired_ratios, ratio_summary
+
+__all__ = ["CONFIGS", "SHAPES", "rank_body", "rss_body", "run"]
+
+TIME_TARGET = 0.70
+MEMORY_TARGET = 1.00
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "12x1024": {"layers": 12, "dim": 1024, "batch": 16},
+    "8x512": {"layers": 8, "dim": 512, "batch": 32},
+}
+TINY = {"tiny": {"layers": 2, "dim": 16, "batch": 4}}
+# (prefetch, reshard_after_forward of the blocks)
+CONFIGS = [(False, True), (True, True), (False, False), (True, False)]
+
+
+def _net(layers: int, dim: int) -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(layers)]
+    return nn.Sequential(*blocks, nn.Linear(dim, 1))
+
+
+def _shard(impl: str, net: Any, prefetch: bool, reshard: bool, device: str) -> Any:
+    """Per-block units + root, with the same options on either side."""
+    import torch.distributed as dist
+
+    blocks = list(net)[:-1]
+    if impl == "cadence":
+        from cadence.fsdp import fully_shard
+
+        for b in blocks:
+            fully_shard(b, reshard_after_forward=reshard)
+        root = fully_shard(net)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
+        for b in blocks:
+            torch_fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        root = torch_fully_shard(net, mesh=mesh)
+    if prefetch:
+        for i, b in enumerate(blocks):
+            if i + 1 < len(blocks):
+                b.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                b.set_modules_to_backward_prefetch([blocks[i - 1]])
+    return root
+
+
+def _device() -> str:
+    import torch
+    import torch.distributed as dist
+
+    device, _ = device_and_backend(dist.get_world_size())
+    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+
+
+def _stepper(model: Any, x: Any) -> Any:
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def rank_body(shapes: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    device = _device()
+    out: dict[str, Any] = {}
+    for shape, s in shapes.items():
+        base = _net(s["layers"], s["dim"]).to(device)
+        g = torch.Generator().manual_seed(dist.get_rank())
+        x = torch.randn(s["batch"], s["dim"], generator=g).to(device)
+        for prefetch, reshard in CONFIGS:
+            steps = {
+                name: _stepper(_shard(impl, copy.deepcopy(base), prefetch, reshard, device), x)
+                for name, impl in (("cadence", "cadence"), ("torch", "torch"), ("torch_b", "torch"))
+            }
+            out[f"{shape}|{prefetch}|{reshard}"] = interleave(steps, warmup=warmup, reps=reps)
+            del steps
+            gc.collect()
+    return out
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def rss_body(impl: str, shapes: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Peak RSS growth (bytes) per configuration, for one implementation, this rank."""
+    import torch
+    import torch.distributed as dist
+
+    device = _device()
+    out: dict[str, Any] = {}
+    for shape, s in shapes.items():
+        g = torch.Generator().manual_seed(dist.get_rank())
+        x = torch.randn(s["batch"], s["dim"], generator=g).to(device)
+        for prefetch, reshard in CONFIGS:
+            model = _shard(impl, _net(s["layers"], s["dim"]).to(device), prefetch, reshard, device)
+            step = _stepper(model, x)
+            gc.collect()
+            dist.barrier()
+            if not _reset_peak():
+                return {"error": "cannot reset the RSS high-water mark (/proc/self/clear_refs)"}
+            before = _status_kib("VmRSS")
+            for _ in range(steps):
+                step()
+            dist.barrier()
+            out[f"{shape}|{prefetch}|{reshard}"] = 1024 * (_status_kib("VmHWM") - before)
+            del model, step
+            gc.collect()
+    return out
+
+
+def _case(key: str) -> tuple[str, str]:
+    shape, prefetch, reshard = key.split("|")
+    return (
+        shape,
+        f"prefetch {'on' if prefetch == 'True' else 'off'}, reshard {'on' if reshard == 'True' else 'off'}",
+    )
+
+
+def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
+    """Run the comparison and return its record (not yet written)."""
+    from cadence.bench import fsdp
+
+    shapes = TINY if tiny else {"12x1024": SHAPES["12x1024"]} if quick else SHAPES
+    warmup, reps = (1, 2) if tiny else (2, 8) if quick else (3, 25)
+    mem_steps = 2 if tiny else 3
+    load0 = loadavg()
+    per_rank = launch_ranks(fsdp.rank_body, shapes, warmup, reps, world=world, timeout=1800)
+    rows: list[dict[str, Any]] = []
+    for key in per_rank[0]:
+        shape, config = _case(key)
+        results = [r[key] for r in per_rank]
+        step = {k: slowest_per_rep(results, k) for k in ("cadence", "torch", "torch_b")}
+        s = shapes[shape]
+        rows.append(
+            {
+                "case": f"{shape} {config}",
+                "what": f"{s['layers']} x [Linear({s['dim']}) + GELU] + head, batch {s['batch']}",
+                "metric": "step time",
+                "ratio": ratio_summary(paired_ratios(step["cadence"], step["torch"])),
+                "aa": ratio_summary(paired_ratios(step["torch"], step["torch_b"])),
+                "target": TIME_TARGET,
+                "abs_ms": {k: 1e3 * statistics.median(v) for k, v in step.items()},
+            }
+        )
+    # Memory: a fresh process tree per implementation (the A/A runs torch twice).
+    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    mem = {
+        name: launch_ranks(
+            fsdp.rss_body, impl, shapes, mem_steps, world=world, timeout=900, env=env
+        )
+        for name, impl in (("cadence", "cadence"), ("torch", "torch"), ("torch_b", "torch"))
+    }
+    if "error" in mem["cadence"][0]:
+        raise RuntimeError(mem["cadence"][0]["error"])
+    for key in mem["cadence"][0]:
+        shape, config = _case(key)
+        per = {k: [r[key] for r in v] for k, v in mem.items()}  # per rank
+        rows.append(
+            {
+                "case": f"{shape} {config}",
+                "metric": "peak RSS growth",
+                "ratio": ratio_summary(paired_ratios(per["cadence"], per["torch"])),
+                "aa": ratio_summary(paired_ratios(per["torch"], per["torch_b"])),
+                "target": MEMORY_TARGET,
+                "abs_mib": {k: max(v) / 2**20 for k, v in per.items()},
+            }
+        )
+    return make_record(
+        "fsdp",
+        quick=quick,
+        rows=rows,
+        load_before=load0,
+        settings={"world": world, "backend": device_and_backend(world)[1], "warmup": warmup,
+                  "reps": reps, "memory_steps": mem_steps, "optimizer": "SGD",
+                  "threads_per_rank": 1},
+    )  # fmt: skip
