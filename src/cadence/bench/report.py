@@ -9,6 +9,7 @@ the target and the machine load of that run.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,7 @@ def latest_records(results: Path) -> dict[str, dict[str, Any]]:
             continue
         key = (not record["quick"], record["created"])
         if record["kind"] not in best or key > best[record["kind"]][0]:
+            record["_path"] = str(path)  # not written back: locates the chart
             best[record["kind"]] = (key, record)
     return {k: v for k, (_, v) in best.items()}
 
@@ -90,7 +92,8 @@ def _extra(row: dict[str, Any]) -> str:
     return "; ".join(parts) or "-"
 
 
-def render(records: dict[str, dict[str, Any]]) -> str:
+def render(records: dict[str, dict[str, Any]], page_dir: Path | None = None) -> str:
+    """The page; ``page_dir`` (where it is written) makes chart links relative to it."""
     out = [_HEADER]
     for kind in KINDS:
         out.append(f"\n## {_TITLES[kind]}\n")
@@ -115,6 +118,10 @@ def render(records: dict[str, dict[str, Any]]) -> str:
                 f"| {case} | {row['metric']} | {_cell(row['ratio'])} | {_cell(row.get('aa'))} "
                 f"| {_verdict(row)} | {_extra(row)} |"
             )
+        chart = Path(record.get("_path", "")).with_suffix(".png")
+        if page_dir is not None and chart.name and chart.exists():
+            rel = os.path.relpath(chart.resolve(), page_dir.resolve())
+            out.append(f"\n![cadence bench {kind}]({rel})")
         out.append("")
     return "\n".join(out)
 
@@ -123,5 +130,5 @@ def write_docs(
     results: Path = Path("bench/results"), out: Path = Path("docs/benchmarks.md")
 ) -> Path:
     """Regenerate the benchmarks page from the newest records under ``results``."""
-    out.write_text(render(latest_records(results)))
+    out.write_text(render(latest_records(results), out.parent))
     return out
