@@ -6,8 +6,10 @@ configurations per shape: explicit prefetch (each block prefetches its neighbour
 in forward and in backward, on both sides) on/off x ``reshard_after_forward`` of
 the blocks on/off (the root keeps each library's default).
 
-Step time: cadence, FSDP2 and a second FSDP2 (A/A) in the same ranks, interleaved
-(see [Note: interleaving] in ``_loop.py``); target <= 0.70.
+Step time: cadence, cadence with ``set_max_inflight_reductions(0)`` (each
+reduce-scatter waited at once: no overlap, FSDP2's memory), FSDP2 and a second
+FSDP2 (A/A) in the same ranks, interleaved (see [Note: interleaving] in
+``_loop.py``); target <= 0.70.
 
 [Note: measuring peak RSS growth]
 Memory is what the process really holds, peak resident set growth per rank, not
@@ -17,9 +19,10 @@ implementation runs in its own fresh process tree (peaks of two implementations
 in one process would mask each other). Per configuration the kernel's high-water
 mark is reset (``/proc/self/clear_refs`` with ``5``), the baseline is the current
 RSS after the model is built and sharded, and the growth is ``VmHWM - baseline``
-over a few steps. glibc's ``MALLOC_MMAP_THRESHOLD_`` is pinned to 64 KiB in these
-processes so a freed tensor's pages leave the process at once and one
-configuration's free memory does not hide the next one's peak. Target <= 1.00.
+over a few steps (on CUDA: the growth of ``torch.cuda.max_memory_allocated``).
+glibc's ``MALLOC_MMAP_THRESHOLD_`` is pinned to 64 KiB in these processes so a
+freed tensor's pages leave the process at once and one configuration's free
+memory does not hide the next one's peak. Target <= 1.00.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 TINY = {"tiny": {"layers": 2, "dim": 16, "batch": 4}}
 # (prefetch, reshard_after_forward of the blocks)
 CONFIGS = [(False, True), (True, True), (False, False), (True, False)]
+# (variant, implementation): cadence as configured by default (one reduce-scatter in
+# flight), cadence waiting each reduce-scatter at once, FSDP2, FSDP2 again (A/A).
+VARIANTS = [("cadence", "cadence"), ("cadence_sync", "cadence_sync"), ("torch", "torch"),
+            ("torch_b", "torch")]  # fmt: skip
 
 
 def _net(layers: int, dim: int) -> Any:
@@ -66,12 +73,15 @@ def _shard(impl: str, net: Any, prefetch: bool, reshard: bool, device: str) -> A
     import torch.distributed as dist
 
     blocks = list(net)[:-1]
-    if impl == "cadence":
+    if impl in ("cadence", "cadence_sync"):
         from cadence.fsdp import fully_shard
 
         for b in blocks:
             fully_shard(b, reshard_after_forward=reshard)
         root = fully_shard(net)
+        # cadence_sync: each reduce-scatter waited at once, FSDP2-on-CPU's memory
+        # profile (see [Note: bounded in-flight reductions] in cadence.fsdp._state).
+        root.set_max_inflight_reductions(0 if impl == "cadence_sync" else 1)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -123,7 +133,7 @@ def rank_body(shapes: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict
         for prefetch, reshard in CONFIGS:
             steps = {
                 name: _stepper(_shard(impl, copy.deepcopy(base), prefetch, reshard, device), x)
-                for name, impl in (("cadence", "cadence"), ("torch", "torch"), ("torch_b", "torch"))
+                for name, impl in VARIANTS
             }
             out[f"{shape}|{prefetch}|{reshard}"] = interleave(steps, warmup=warmup, reps=reps)
             del steps
@@ -163,13 +173,23 @@ def rss_body(impl: str, shapes: dict[str, dict[str, Any]], steps: int) -> dict[s
             step = _stepper(model, x)
             gc.collect()
             dist.barrier()
-            if not _reset_peak():
-                return {"error": "cannot reset the RSS high-water mark (/proc/self/clear_refs)"}
-            before = _status_kib("VmRSS")
-            for _ in range(steps):
-                step()
+            key = f"{shape}|{prefetch}|{reshard}"
+            if device != "cpu":  # on a GPU the device allocator's peak is the figure
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                for _ in range(steps):
+                    step()
+                torch.cuda.synchronize()
+                out[key] = torch.cuda.max_memory_allocated() - before
+            else:
+                if not _reset_peak():
+                    return {"error": "cannot reset the RSS high-water mark (/proc/self/clear_refs)"}
+                before = _status_kib("VmRSS")
+                for _ in range(steps):
+                    step()
+                out[key] = 1024 * (_status_kib("VmHWM") - before)
             dist.barrier()
-            out[f"{shape}|{prefetch}|{reshard}"] = 1024 * (_status_kib("VmHWM") - before)
             del model, step
             gc.collect()
     return out
@@ -188,7 +208,7 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
     from cadence.bench import fsdp
 
     shapes = TINY if tiny else {"12x1024": SHAPES["12x1024"]} if quick else SHAPES
-    warmup, reps = (1, 2) if tiny else (2, 8) if quick else (3, 25)
+    warmup, reps = (1, 2) if tiny else (2, 6) if quick else (3, 25)
     mem_steps = 2 if tiny else 3
     load0 = loadavg()
     per_rank = launch_ranks(fsdp.rank_body, shapes, warmup, reps, world=world, timeout=1800)
@@ -196,42 +216,46 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
     for key in per_rank[0]:
         shape, config = _case(key)
         results = [r[key] for r in per_rank]
-        step = {k: slowest_per_rep(results, k) for k in ("cadence", "torch", "torch_b")}
+        step = {k: slowest_per_rep(results, k) for k, _ in VARIANTS}
         s = shapes[shape]
-        rows.append(
-            {
-                "case": f"{shape} {config}",
-                "what": f"{s['layers']} x [Linear({s['dim']}) + GELU] + head, batch {s['batch']}",
-                "metric": "step time",
-                "ratio": ratio_summary(paired_ratios(step["cadence"], step["torch"])),
-                "aa": ratio_summary(paired_ratios(step["torch"], step["torch_b"])),
-                "target": TIME_TARGET,
-                "abs_ms": {k: 1e3 * statistics.median(v) for k, v in step.items()},
-            }
-        )
+        for name, suffix in (("cadence", ""), ("cadence_sync", ", max_inflight_reductions=0")):
+            rows.append(
+                {
+                    "case": f"{shape} {config}{suffix}",
+                    "what": f"{s['layers']} x [Linear({s['dim']}) + GELU] + head, "
+                    f"batch {s['batch']}",
+                    "metric": "step time",
+                    "ratio": ratio_summary(paired_ratios(step[name], step["torch"])),
+                    "aa": ratio_summary(paired_ratios(step["torch"], step["torch_b"])),
+                    "target": TIME_TARGET,
+                    "abs_ms": {k: 1e3 * statistics.median(v) for k, v in step.items()},
+                }
+            )
     # Memory: a fresh process tree per implementation (the A/A runs torch twice).
     env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     mem = {
         name: launch_ranks(
             fsdp.rss_body, impl, shapes, mem_steps, world=world, timeout=900, env=env
         )
-        for name, impl in (("cadence", "cadence"), ("torch", "torch"), ("torch_b", "torch"))
+        for name, impl in VARIANTS
     }
     if "error" in mem["cadence"][0]:
         raise RuntimeError(mem["cadence"][0]["error"])
+    gpu = device_and_backend(world)[0] == "cuda"
     for key in mem["cadence"][0]:
         shape, config = _case(key)
         per = {k: [r[key] for r in v] for k, v in mem.items()}  # per rank
-        rows.append(
-            {
-                "case": f"{shape} {config}",
-                "metric": "peak RSS growth",
-                "ratio": ratio_summary(paired_ratios(per["cadence"], per["torch"])),
-                "aa": ratio_summary(paired_ratios(per["torch"], per["torch_b"])),
-                "target": MEMORY_TARGET,
-                "abs_mib": {k: max(v) / 2**20 for k, v in per.items()},
-            }
-        )
+        for name, suffix in (("cadence", ""), ("cadence_sync", ", max_inflight_reductions=0")):
+            rows.append(
+                {
+                    "case": f"{shape} {config}{suffix}",
+                    "metric": "peak CUDA memory growth" if gpu else "peak RSS growth",
+                    "ratio": ratio_summary(paired_ratios(per[name], per["torch"])),
+                    "aa": ratio_summary(paired_ratios(per["torch"], per["torch_b"])),
+                    "target": MEMORY_TARGET,
+                    "abs_mib": {k: max(v) / 2**20 for k, v in per.items()},
+                }
+            )
     return make_record(
         "fsdp",
         quick=quick,
