@@ -38,6 +38,9 @@ def format_rows(record: dict[str, Any]) -> str:
             f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
             for k, v in r.get("extra", {}).items()
         )
+        for key, unit in (("abs_ms", "ms"), ("abs_mib", "MiB")):
+            if key in r:
+                extra += "  " + " ".join(f"{k}={v:.1f}{unit}" for k, v in r[key].items())
         lines.append(
             f"{(r['case'] + ' ' + r['metric']).ljust(width)}  ratio {_fmt(r['ratio'])}  "
             f"aa {_fmt(r.get('aa'))}{target}  {extra}"

@@ -52,6 +52,10 @@ cadence bench report    # regenerate this page
 ```
 
 `--quick` runs fewer repetitions (a minute or two per kind on 2 cores).
+Where the time goes, by profile (op and call counts, fractions of a step):
+[bench_profile.md](bench_profile.md). Deeper hand-run scripts: DataParallel's
+finalization patterns in [bench_dp.md](bench_dp.md), pipeline bubbles in
+[bench_pipeline.md](bench_pipeline.md).
 """
 
 
@@ -89,6 +93,9 @@ def _extra(row: dict[str, Any]) -> str:
     parts = []
     for k, v in row.get("extra", {}).items():
         parts.append(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}")
+    for key, unit in (("abs_ms", "ms"), ("abs_mib", "MiB")):
+        if key in row:  # medians: the figure to read on a dedicated GPU machine
+            parts.append(", ".join(f"{k} {v:.1f} {unit}" for k, v in row[key].items()))
     return "; ".join(parts) or "-"
 
 
