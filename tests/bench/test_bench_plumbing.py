@@ -37,8 +37,11 @@ def _check_record(record: dict, path: Path, kind: str) -> None:
 def test_dp_record_chart_and_docs(tmp_path: Path) -> None:
     record, path, chart = run_bench("dp", tiny=True, out_dir=tmp_path)
     _check_record(record, path, "dp")
-    (row,) = record["rows"]
+    row, memory = record["rows"]
     assert row["metric"] == "step time" and row["ratio"]["n"] == 2
+    assert memory["metric"] == "peak RSS growth" and memory["target"] is None
+    assert memory["ratio"]["n"] == 2  # one ratio per rank
+    assert set(memory["abs_mib"]) == {"cadence", "torch", "torch_b"}
     assert set(row["abs_ms"]) == {"plain", "cadence", "torch", "torch_b"}
     assert row["extra"]["buckets_cadence"] >= 1
     assert row["extra"]["overlap_limit_torch"] > 0

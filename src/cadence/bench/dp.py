@@ -7,7 +7,8 @@ second DDP (the A/A noise figure). All four step interleaved (see
 (+ the reduction's end) + SGD step. Both wrappers get the same bucket caps.
 
 Reported per shape: step time cadence / DDP (target <= 0.95), DDP / DDP (A/A),
-and the overlap limit: step time / compute-only step time, for both (1.00 would
+peak memory growth per rank (each implementation in a fresh process tree; see
+[Note: measuring peak memory growth] in ``_memory.py``), and the overlap limit: step time / compute-only step time, for both (1.00 would
 mean communication fully hidden; the gap is the exposed communication plus the
 wrapper's own CPU work).
 """
@@ -25,9 +26,10 @@ from cadence.bench._loop import (
     loadavg,
     slowest_per_rep,
 )
+from cadence.bench._memory import MEMORY_ENV, floor_page, peak_growth
 from cadence.bench._record import make_record, paired_ratios, ratio_summary
 
-__all__ = ["CASES", "rank_body", "run"]
+__all__ = ["CASES", "rank_body", "rss_body", "run"]
 
 TARGET = 0.95
 
@@ -78,26 +80,15 @@ def _input(spec: dict[str, Any], rank: int, device: str) -> Any:
 def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int, cap_mb: float) -> Any:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from cadence.data_parallel import DataParallel
 
     rank = dist.get_rank()
-    device, _ = device_and_backend(dist.get_world_size())
-    if device == "cuda":
-        device = f"cuda:{torch.cuda.current_device()}"
+    device = _device()
     out: dict[str, Any] = {}
     for name, spec in cases.items():
         base = _model(spec).to(device)
-        ddp_kw: dict[str, Any] = {"bucket_cap_mb": cap_mb}
-        if device != "cpu":
-            ddp_kw["device_ids"] = [torch.cuda.current_device()]
-        models = {
-            "plain": copy.deepcopy(base),
-            "cadence": DataParallel(copy.deepcopy(base), bucket_cap_mb=cap_mb),
-            "torch": DDP(copy.deepcopy(base), **ddp_kw),
-            "torch_b": DDP(copy.deepcopy(base), **ddp_kw),
-        }
+        models = {"plain": copy.deepcopy(base)}
+        for k, impl in (("cadence", "cadence"), ("torch", "torch"), ("torch_b", "torch")):
+            models[k] = _wrap(impl, copy.deepcopy(base), cap_mb, device)
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
         x = _input(spec, rank, device)
 
@@ -109,6 +100,60 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int, cap_mb: 
         times = interleave({k: (lambda k=k: step(k)) for k in models}, warmup=warmup, reps=reps)
         out[name] = {"times": times, "buckets": models["cadence"].num_buckets}
         del models, opts
+    return out
+
+
+def _device() -> str:
+    import torch
+    import torch.distributed as dist
+
+    device, _ = device_and_backend(dist.get_world_size())
+    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+
+
+def _wrap(impl: str, model: Any, cap_mb: float, device: str) -> Any:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cadence.data_parallel import DataParallel
+
+    if impl == "cadence":
+        return DataParallel(model, bucket_cap_mb=cap_mb)
+    ddp_kw: dict[str, Any] = {"bucket_cap_mb": cap_mb}
+    if device != "cpu":
+        ddp_kw["device_ids"] = [torch.cuda.current_device()]
+    return DDP(model, **ddp_kw)
+
+
+def rss_body(impl: str, cases: dict[str, dict[str, Any]], steps: int, cap_mb: float) -> Any:
+    """Peak memory growth (bytes) per shape for one implementation, this rank.
+
+    See [Note: measuring peak memory growth] in ``_memory.py``.
+    """
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    device = _device()
+    out: dict[str, int] = {}
+    for name, spec in cases.items():
+        model = _wrap(impl, _model(spec).to(device), cap_mb, device)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        x = _input(spec, rank, device)
+
+        def step(model: Any = model, opt: Any = opt, x: Any = x) -> None:
+            opt.zero_grad(set_to_none=True)
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+
+        gc.collect()
+        dist.barrier()
+        out[name] = peak_growth(step, steps, device)
+        dist.barrier()
+        del model, opt, step
+        gc.collect()
     return out
 
 
@@ -146,10 +191,31 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
     from cadence.bench import dp
 
     per_rank = launch_ranks(dp.rank_body, cases, warmup, reps, cap_mb, world=world, timeout=1800)
+    rows = summarize(cases, per_rank)
+    # Memory: a fresh process tree per implementation (the A/A runs DDP twice).
+    mem = {
+        name: launch_ranks(
+            dp.rss_body, impl, cases, 3, cap_mb, world=world, timeout=900, env=MEMORY_ENV
+        )
+        for name, impl in (("cadence", "cadence"), ("torch", "torch"), ("torch_b", "torch"))
+    }
+    gpu = device_and_backend(world)[0] == "cuda"
+    for name in cases:
+        per = {k: [floor_page(r[name]) for r in v] for k, v in mem.items()}  # per rank
+        rows.append(
+            {
+                "case": name,
+                "metric": "peak CUDA memory growth" if gpu else "peak RSS growth",
+                "ratio": ratio_summary(paired_ratios(per["cadence"], per["torch"])),
+                "aa": ratio_summary(paired_ratios(per["torch"], per["torch_b"])),
+                "target": None,
+                "abs_mib": {k: max(v) / 2**20 for k, v in per.items()},
+            }
+        )
     return make_record(
         "dp",
         quick=quick,
-        rows=summarize(cases, per_rank),
+        rows=rows,
         load_before=load0,
         settings={"world": world, "backend": device_and_backend(world)[1], "warmup": warmup, "reps": reps, "bucket_cap_mb": cap_mb,
                   "optimizer": "SGD", "threads_per_rank": 1},

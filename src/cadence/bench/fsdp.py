@@ -11,18 +11,8 @@ reduce-scatter waited at once: no overlap, FSDP2's memory), FSDP2 and a second
 FSDP2 (A/A) in the same ranks, interleaved (see [Note: interleaving] in
 ``_loop.py``); target <= 0.70.
 
-[Note: measuring peak RSS growth]
-Memory is what the process really holds, peak resident set growth per rank, not
-a tensor-level estimate: buffers kept alive by asynchronous collectives, the
-allocator's slack and the communication library's staging all count. Each
-implementation runs in its own fresh process tree (peaks of two implementations
-in one process would mask each other). Per configuration the kernel's high-water
-mark is reset (``/proc/self/clear_refs`` with ``5``), the baseline is the current
-RSS after the model is built and sharded, and the growth is ``VmHWM - baseline``
-over a few steps (on CUDA: the growth of ``torch.cuda.max_memory_allocated``).
-glibc's ``MALLOC_MMAP_THRESHOLD_`` is pinned to 64 KiB in these processes so a
-freed tensor's pages leave the process at once and one configuration's free
-memory does not hide the next one's peak. Target <= 1.00.
+Peak memory growth per rank: each implementation in a fresh process tree, see
+[Note: measuring peak memory growth] in ``_memory.py``. Target <= 1.00.
 """
 
 from __future__ import annotations
@@ -39,6 +29,7 @@ from cadence.bench._loop import (
     loadavg,
     slowest_per_rep,
 )
+from cadence.bench._memory import MEMORY_ENV, floor_page, peak_growth
 from cadence.bench._record import make_record, paired_ratios, ratio_summary
 
 __all__ = ["CONFIGS", "SHAPES", "rank_body", "rss_body", "run"]
@@ -141,23 +132,6 @@ def rank_body(shapes: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict
     return out
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def rss_body(impl: str, shapes: dict[str, dict[str, Any]], steps: int) -> dict[str, Any]:
     """Peak RSS growth (bytes) per configuration, for one implementation, this rank."""
     import torch
@@ -173,22 +147,7 @@ def rss_body(impl: str, shapes: dict[str, dict[str, Any]], steps: int) -> dict[s
             step = _stepper(model, x)
             gc.collect()
             dist.barrier()
-            key = f"{shape}|{prefetch}|{reshard}"
-            if device != "cpu":  # on a GPU the device allocator's peak is the figure
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-                for _ in range(steps):
-                    step()
-                torch.cuda.synchronize()
-                out[key] = torch.cuda.max_memory_allocated() - before
-            else:
-                if not _reset_peak():
-                    return {"error": "cannot reset the RSS high-water mark (/proc/self/clear_refs)"}
-                before = _status_kib("VmRSS")
-                for _ in range(steps):
-                    step()
-                out[key] = 1024 * (_status_kib("VmHWM") - before)
+            out[f"{shape}|{prefetch}|{reshard}"] = peak_growth(step, steps, device)
             dist.barrier()
             del model, step
             gc.collect()
@@ -232,19 +191,16 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
                 }
             )
     # Memory: a fresh process tree per implementation (the A/A runs torch twice).
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     mem = {
         name: launch_ranks(
-            fsdp.rss_body, impl, shapes, mem_steps, world=world, timeout=900, env=env
+            fsdp.rss_body, impl, shapes, mem_steps, world=world, timeout=900, env=MEMORY_ENV
         )
         for name, impl in VARIANTS
     }
-    if "error" in mem["cadence"][0]:
-        raise RuntimeError(mem["cadence"][0]["error"])
     gpu = device_and_backend(world)[0] == "cuda"
     for key in mem["cadence"][0]:
         shape, config = _case(key)
-        per = {k: [r[key] for r in v] for k, v in mem.items()}  # per rank
+        per = {k: [floor_page(r[key]) for r in v] for k, v in mem.items()}  # per rank
         for name, suffix in (("cadence", ""), ("cadence_sync", ", max_inflight_reductions=0")):
             rows.append(
                 {
