@@ -37,7 +37,8 @@ def _check_record(record: dict, path: Path, kind: str) -> None:
 def test_dp_record_chart_and_docs(tmp_path: Path) -> None:
     record, path, chart = run_bench("dp", tiny=True, out_dir=tmp_path)
     _check_record(record, path, "dp")
-    row, memory = record["rows"]
+    row, cpu, memory = record["rows"]
+    assert cpu["metric"] == "CPU time, all ranks" and cpu["ratio"]["n"] == 2
     assert row["metric"] == "step time" and row["ratio"]["n"] == 2
     assert memory["metric"] == "peak RSS growth" and memory["target"] is None
     assert memory["ratio"]["n"] == 2  # one ratio per rank

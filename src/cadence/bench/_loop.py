@@ -66,25 +66,40 @@ def _sync() -> Callable[[], None]:
 
 
 def interleave(
-    variants: Mapping[str, Callable[[], None]], *, warmup: int, reps: int
+    variants: Mapping[str, Callable[[], None]],
+    *,
+    warmup: int,
+    reps: int,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
-    """Per-variant step seconds on this rank, ``reps`` each after ``warmup`` each."""
+    """Per-variant step seconds on this rank, ``reps`` each after ``warmup`` each.
+
+    ``cpu``, if given, receives each step's CPU seconds of this whole process (the
+    communication library's threads included). On a saturated machine the total
+    CPU work, not the wall time, decides who is faster, and it is far less
+    sensitive to what other processes do.
+    """
     import torch.distributed as dist
 
     sync = _sync()
     names = list(variants)
     out: dict[str, list[float]] = {n: [] for n in names}
+    if cpu is not None:
+        cpu.update({n: [] for n in names})
     for rep in range(warmup + reps):
         k = rep % len(names)
         for name in names[k:] + names[:k]:
             sync()
             dist.barrier()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             variants[name]()
             sync()
             elapsed = time.perf_counter() - t0
             if rep >= warmup:
                 out[name].append(elapsed)
+                if cpu is not None:
+                    cpu[name].append(time.process_time() - c0)
     return out
 
 

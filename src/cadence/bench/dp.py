@@ -10,7 +10,9 @@ Reported per shape: step time cadence / DDP (target <= 0.95), DDP / DDP (A/A),
 peak memory growth per rank (each implementation in a fresh process tree; see
 [Note: measuring peak memory growth] in ``_memory.py``), and the overlap limit: step time / compute-only step time, for both (1.00 would
 mean communication fully hidden; the gap is the exposed communication plus the
-wrapper's own CPU work).
+wrapper's own CPU work), and the CPU time of all ranks per step (every thread,
+gloo's included: on a saturated CPU machine the total work decides the wall time,
+and it is far less sensitive to other processes than the wall time).
 """
 
 from __future__ import annotations
@@ -97,8 +99,11 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int, cap_mb: 
             models[k](x).float().pow(2).mean().backward()
             opts[k].step()
 
-        times = interleave({k: (lambda k=k: step(k)) for k in models}, warmup=warmup, reps=reps)
-        out[name] = {"times": times, "buckets": models["cadence"].num_buckets}
+        cpu: dict[str, list[float]] = {}
+        times = interleave(
+            {k: (lambda k=k: step(k)) for k in models}, warmup=warmup, reps=reps, cpu=cpu
+        )
+        out[name] = {"times": times, "cpu": cpu, "buckets": models["cadence"].num_buckets}
         del models, opts
     return out
 
@@ -177,6 +182,21 @@ def summarize(cases: dict[str, dict[str, Any]], per_rank: list[Any]) -> list[dic
                     "overlap_limit_torch": med["torch"] / med["plain"],
                     "buckets_cadence": per_rank[0][name]["buckets"],
                 },
+            }
+        )
+        # CPU seconds of all ranks (every thread) per repetition.
+        cpu = {
+            k: [sum(c) for c in zip(*(r[name]["cpu"][k] for r in per_rank), strict=True)]
+            for k in ("plain", "cadence", "torch", "torch_b")
+        }
+        rows.append(
+            {
+                "case": name,
+                "metric": "CPU time, all ranks",
+                "ratio": ratio_summary(paired_ratios(cpu["cadence"], cpu["torch"])),
+                "aa": ratio_summary(paired_ratios(cpu["torch"], cpu["torch_b"])),
+                "target": None,
+                "abs_ms": {k: 1e3 * statistics.median(v) for k, v in cpu.items()},
             }
         )
     return rows
