@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cadence.bench._run import KINDS as BENCH_KINDS  # torch-free, like this parser
+from cadence.errors import CadenceValueError
 from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import SCHEDULE_NAMES
@@ -30,10 +32,6 @@ __all__ = [
     "build_parser",
     "main",
 ]
-
-# The bench kinds, spelled here so building the parser imports no torch (nor
-# cadence.bench); cadence.bench.KINDS is the same tuple.
-_BENCH_KINDS = ("dp", "fsdp", "pp", "pickle")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +165,7 @@ def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "kind",
-        choices=[*_BENCH_KINDS, "report"],
+        choices=[*BENCH_KINDS, "report"],
         help="a comparison to run, or 'report' to regenerate docs/benchmarks.md",
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (1-2 min each)")
@@ -175,7 +173,7 @@ def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         "--results", type=Path, default=Path("bench/results"), help="where records go"
     )
     parser.add_argument(
-        "--docs", type=Path, default=Path("docs/benchmarks.md"), help="with 'report': the page"
+        "--docs", type=Path, default=None, help="with 'report': the page (docs/benchmarks.md)"
     )
     parser.set_defaults(func=_bench)
     return parser
@@ -185,8 +183,17 @@ def _bench(args: argparse.Namespace) -> int:
     from cadence.bench import format_rows, run_bench, write_docs
 
     if args.kind == "report":
-        print(f"wrote {write_docs(args.results, args.docs)}")
+        if args.quick:
+            raise CadenceValueError(
+                "--quick applies to a comparison, not to 'cadence bench report'"
+            )
+        print(f"wrote {write_docs(args.results, args.docs or Path('docs/benchmarks.md'))}")
         return 0
+    if args.docs is not None:
+        raise CadenceValueError(
+            f"--docs applies to 'cadence bench report' only; run 'cadence bench {args.kind}', "
+            "then 'cadence bench report --docs PATH'"
+        )
     record, path, chart = run_bench(args.kind, quick=args.quick, out_dir=args.results)
     print(format_rows(record))
     print(f"record: {path}" + (f"; chart: {chart}" if chart else "; no chart (no matplotlib)"))
