@@ -3,6 +3,8 @@
 - ``cadence train``: train the embedded TinyGPT (`cadence.train`).
 - ``cadence schedule show``: a pipeline schedule's grid, simulator statistics,
   channels and digest (`cadence.pipeline.schedule.show`).
+- ``cadence bench {dp,fsdp,pp,pickle,report}``: cadence against PyTorch's own
+  implementations, side by side (`cadence.bench`).
 
 Building the parser imports no torch; a subcommand imports what it needs when it
 runs, so ``cadence schedule show`` and ``cadence --help`` work where torch is not
@@ -16,12 +18,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cadence.bench._run import KINDS as BENCH_KINDS  # torch-free, like this parser
+from cadence.errors import CadenceValueError
 from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import SCHEDULE_NAMES
 from cadence.train.config import TrainConfig
 
-__all__ = ["add_schedule_subcommand", "add_train_subcommand", "build_parser", "main"]
+__all__ = [
+    "add_bench_subcommand",
+    "add_schedule_subcommand",
+    "add_train_subcommand",
+    "build_parser",
+    "main",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_subcommand(sub)
     add_schedule_subcommand(sub)
+    add_bench_subcommand(sub)
     return parser
 
 
@@ -142,6 +153,51 @@ def _schedule_show(args: argparse.Namespace) -> int:
         trace=args.trace,
         mode=args.mode,
     )
+
+
+# -- cadence bench ----------------------------------------------------------------
+
+
+def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` to an argparse sub-parser collection."""
+    parser = subparsers.add_parser(
+        "bench", help="cadence vs PyTorch's own DDP, FSDP2, pipelining (and cloudpickle)"
+    )
+    parser.add_argument(
+        "kind",
+        choices=[*BENCH_KINDS, "report"],
+        help="a comparison to run, or 'report' to regenerate docs/benchmarks.md",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (1-2 min each)")
+    parser.add_argument(
+        "--results", type=Path, default=Path("bench/results"), help="where records go"
+    )
+    parser.add_argument(
+        "--docs", type=Path, default=None, help="with 'report': the page (docs/benchmarks.md)"
+    )
+    parser.set_defaults(func=_bench)
+    return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from cadence.bench import format_rows, run_bench, write_docs
+
+    if args.kind == "report":
+        if args.quick:
+            raise CadenceValueError(
+                "--quick applies to a comparison, not to 'cadence bench report'"
+            )
+        print(f"wrote {write_docs(args.results, args.docs or Path('docs/benchmarks.md'))}")
+        return 0
+    if args.docs is not None:
+        raise CadenceValueError(
+            f"--docs applies to 'cadence bench report' only; run 'cadence bench {args.kind}', "
+            "then 'cadence bench report --docs PATH'"
+        )
+    record, path, chart = run_bench(args.kind, quick=args.quick, out_dir=args.results)
+    print(format_rows(record))
+    print(f"record: {path}" + (f"; chart: {chart}" if chart else "; no chart (no matplotlib)"))
+    return 0
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ class _Window:
     used_map_work: CommWork | None = None
     used_map: torch.Tensor | None = None
     learning: bool = False  # static_graph's first synced iteration
+    fast: bool = False  # see [Note: the hook's fast path]
 
 
 class _FutureWork:
@@ -120,6 +121,27 @@ class Reducer:
         for b in buckets:
             for i in b.param_indices:
                 self.param_bucket[i] = b.index
+        self.bucket_of = [self.param_bucket[i] for i in range(len(params))]
+        # [Note: adopting bucket views]
+        # Without gradient_as_bucket_view, torch DDP copies each gradient into its
+        # bucket (scaled) at launch and copies the reduced bucket back into .grad
+        # at the end: two passes over every gradient, plus a second copy of all
+        # gradients held alive. Here the launch's scaled copy is the only pass: the
+        # parameter then *adopts* its bucket view as .grad (the tensor autograd
+        # made is dropped), so finalize has nothing to write back and the
+        # gradients live once, in the buckets. The values are the same bits (the
+        # same divide, the same all-reduce, read in place instead of copied).
+        # Before finalize, .grad is unspecified, as it always was: the reduction
+        # is in flight in it. Not done where the wire dtype differs from the
+        # parameter's (reduce_dtype), with find_unused_parameters (a parameter no
+        # rank used must keep its old .grad untouched, and its stale view would be
+        # rescaled in place) or for a gradient that carries a graph (create_graph).
+        self.adopt = [
+            not gradient_as_bucket_view
+            and not find_unused_parameters
+            and all(p.dtype == b.buffer.dtype for p in b.params)
+            for b in buckets
+        ]
         self.expected_counts: dict[int, int] | None = None  # learned under static_graph
         self.comm_hook: tuple[Any, Callable[..., Any]] | None = None
         self.wire_divide = True  # pre-divide before SUM unless a custom hook owns averaging
@@ -213,6 +235,7 @@ class Reducer:
         if self.static_graph and self.expected_counts is None:
             window.learning = True
             return
+        window.fast = self.expected_counts is None
         if self.find_unused and token is not None and token.used is not None:
             for i in range(len(self.params)):
                 if i not in token.used:
@@ -224,8 +247,28 @@ class Reducer:
         self._launch_ready()
 
     def on_grad_ready(self, index: int) -> None:
-        """Post-accumulate-grad hook of parameter ``index``."""
+        """Post-accumulate-grad hook of parameter ``index``.
+
+        [Note: the hook's fast path]
+        This runs once per parameter per backward on the compute thread, between
+        autograd nodes, so its Python cost is paid in full on the critical path
+        (torch DDP does the same bookkeeping in C++). The common case, a syncing
+        window that is not learning a static graph, with every parameter expected
+        once and this one seen for the first time, takes the short branch: a dict
+        store, a list decrement, and a launch only when this parameter completes
+        the next bucket in launch order. That is exactly what the general branch
+        below does for it (``_launch_ready`` would find nothing to launch
+        otherwise: after every hook the next bucket still owes a gradient).
+        """
         w = self.window
+        if w is not None and w.fast and index not in w.counts:
+            w.counts[index] = 1
+            b = self.bucket_of[index]
+            pending = w.pending
+            pending[b] -= 1
+            if pending[b] <= 0 and b == w.next_bucket:
+                self._launch_ready()
+            return
         if w is None:
             self.begin_backward(self.last_token)
             w = self.window
@@ -280,20 +323,28 @@ class Reducer:
         assert w is not None
         scale = self.wire_divide and self.comm_hook is None and self.comm.world_size > 1
         if not self.bucket_view:
-            present = [
-                (v, p.grad) for v, p in zip(bucket.views, bucket.params) if p.grad is not None
-            ]
-            if len(present) < len(bucket.params):
-                bucket.buffer.zero_()
+            present = []
+            for v, p in zip(bucket.views, bucket.params):
+                g = p.grad
+                if g is None:
+                    v.zero_()  # its share of the bucket is reduced as zeros
+                else:
+                    present.append((v, p, g))
             if scale:
                 # One pass per gradient: scale straight into the bucket (copy-then-divide
                 # reads and writes the bucket twice; see docs/bench_dp.md).
                 # A true divide, not a multiply by 1/world: it rounds as torch DDP does.
                 world = self.comm.world_size
-                for v, g in present:
+                for v, _, g in present:
                     torch.div(g, world, out=v)
             elif present:
-                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+                torch._foreach_copy_([v for v, _, _ in present], [g for _, _, g in present])
+            if self.adopt[b]:
+                # See [Note: adopting bucket views]; ``g is v`` when adopted in an
+                # earlier step and accumulated into in place since.
+                for v, p, g in present:
+                    if g is not v and not g.requires_grad:
+                        p.grad = v
         elif scale:
             bucket.buffer.div_(self.comm.world_size)
         if self.comm_hook is not None:
@@ -424,6 +475,8 @@ class Reducer:
                         continue  # as torch DDP: a param no rank used keeps its .grad
                     if p.grad is None:
                         p.grad = view.to(p.dtype).clone()
+                    elif p.grad is view:
+                        continue  # adopted at launch: the reduced values are already there
                     else:
                         dst.append(p.grad)
                         src.append(view)

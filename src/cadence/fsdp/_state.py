@@ -26,8 +26,12 @@ Each in-flight reduce-scatter keeps its (W, S) input alive until it is waited (g
 even clones it internally). Unbounded, one backward would hold an input per unit, the
 whole unsharded gradient of the model. ``max_inflight_reductions`` (default 1, as
 FSDP2) bounds them: issuing one more first waits the oldest, so each reduce-scatter
-still overlaps the next unit's backward for the price of one extra buffer. 0 waits
-each at once (no overlap, least memory).
+still overlaps the next unit's backward for the price of one extra buffer. The
+oldest is retired before the next input is even built, so two inputs are never alive
+together. 0 waits each at once (no overlap, least memory). The one buffer is the
+whole memory price of the overlap: during the next unit's backward this runtime holds
+what FSDP2 holds (FSDP2 on CPU waits each reduce-scatter at once) plus one in-flight
+input and the backend's staging of it.
 
 [Note: HSDP partial reductions]
 ``set_requires_all_reduce(False)`` (HSDP only) keeps the reduce-scatter over the
@@ -254,16 +258,27 @@ class Runtime:
         if unit.reshard_after_backward:
             unit.reshard()
         if unit.requires_gradient_sync:
+            if grads is not None or unit.accumulated is not None:
+                # Retire the oldest in-flight reduction *before* building the next
+                # input, not after: the two (W, S) inputs (and gloo's internal copy of
+                # the old one) are then never alive together. The wait happens at
+                # the same point of backward, so the overlap is the same.
+                self.make_room()
             rs_input = unit.reduce_input(grads)
+            del grads  # the unsharded grads are copied into rs_input: free them now
             if rs_input is not None:
                 self.issue_reduction(unit, rs_input)
         elif grads is not None:
             unit.accumulate(grads)
 
-    def issue_reduction(self, unit: Unit, rs_input: torch.Tensor) -> None:
-        # See [Note: bounded in-flight reductions]: retire the oldest before issuing more.
+    def make_room(self) -> None:
+        """Retire the oldest reductions until one more fits under the bound."""
         while self.inflight and len(self.inflight) >= self.max_inflight_reductions:
             self.retire(self.inflight.popleft())
+
+    def issue_reduction(self, unit: Unit, rs_input: torch.Tensor) -> None:
+        # See [Note: bounded in-flight reductions]: retire the oldest before issuing more.
+        self.make_room()
         assert unit.comm is not None
         with unit.streams.issue("reduce_scatter"):
             unit.streams.used_by(rs_input, "reduce_scatter")

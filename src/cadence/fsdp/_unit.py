@@ -220,12 +220,18 @@ class Unit:
         # Autograd saved these parameters in forward; refilling their storage for the
         # backward re-gather must not look like an in-place edit, so keep the versions.
         versions = [t._version for t in unsharded]  # type: ignore[union-attr]
+        dsts = [
+            self.unsharded_flat.narrow(
+                0, self.world * info.offset, self.world * info.chunk_numel
+            ).view(self.world, info.chunk_numel)
+            for info in self.params
+        ]
         with torch.no_grad():
-            for info in self.params:
-                dst = self.unsharded_flat.narrow(
-                    0, self.world * info.offset, self.world * info.chunk_numel
-                ).view(self.world, info.chunk_numel)
-                dst.copy_(src.narrow(1, info.offset, info.chunk_numel))
+            # One fused copy-out per all-gather (the chunks tile each rank's row of
+            # ``src`` exactly), not one copy op per parameter.
+            torch.split_with_sizes_copy(
+                src, [info.chunk_numel for info in self.params], dim=1, out=dsts
+            )
         _set_versions(unsharded, versions)  # type: ignore[arg-type]
         self.all_gather_state = None
         for info in self.params:

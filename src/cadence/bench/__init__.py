@@ -1,0 +1,19 @@
+"""``cadence bench``: cadence against PyTorch's own implementations, side by side.
+
+- ``dp``: DataParallel vs DDP (`cadence.bench.dp`);
+- ``fsdp``: fully_shard vs FSDP2, step time and peak RSS growth (`cadence.bench.fsdp`);
+- ``pp``: pipeline runtime vs torch pipelining, five schedules (`cadence.bench.pp`);
+- ``pickle``: cadence.pickling vs cloudpickle (`cadence.bench.pickle`).
+
+Each comparison runs in one process tree, interleaves the implementations, and
+reports median ratios with their spread, an A/A noise figure and the machine load.
+`run_bench` writes the JSON record and its PNG chart under ``bench/results/``;
+`write_docs` regenerates ``docs/benchmarks.md`` from the newest records.
+"""
+
+from __future__ import annotations
+
+from cadence.bench._run import KINDS, format_rows, run_bench
+from cadence.bench.report import write_docs
+
+__all__ = ["KINDS", "format_rows", "run_bench", "write_docs"]

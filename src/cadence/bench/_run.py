@@ -1,0 +1,69 @@
+"""Dispatch one ``cadence bench KIND`` run: measure, print, write record and chart."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from cadence.bench._record import write_chart, write_record
+from cadence.errors import CadenceValueError
+
+__all__ = ["KINDS", "format_rows", "run_bench"]
+
+KINDS = ("dp", "fsdp", "pp", "pickle")
+_MODULES = {"dp": "dp", "fsdp": "fsdp", "pp": "pp", "pickle": "pickler"}
+
+
+def _fmt(summary: dict[str, float] | None) -> str:
+    if summary is None:
+        return "-"
+    return f"{summary['median']:.3f} [{summary['q1']:.3f}-{summary['q3']:.3f}]"
+
+
+def format_rows(record: dict[str, Any]) -> str:
+    """The record as a plain-text table (what the command prints)."""
+    m = record["machine"]
+    lines = [
+        f"cadence bench {record['kind']}{' --quick' if record['quick'] else ''}: "
+        f"{m['cpu_count']} CPUs, load average {m['loadavg_before'][0]:.2f} before / "
+        f"{m['loadavg'][0]:.2f} after; settings {record['settings']}",
+        "ratio = cadence / reference, aa = reference / a second reference; "
+        "median [quartiles] over paired repetitions",
+    ]
+    width = max(len(f"{r['case']} {r['metric']}") for r in record["rows"])
+    for r in record["rows"]:
+        target = "" if r.get("target") is None else f"  target <= {r['target']:.2f}"
+        extra = "  ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in r.get("extra", {}).items()
+        )
+        for key, unit in (("abs_ms", "ms"), ("abs_mib", "MiB")):
+            if key in r:
+                extra += "  " + " ".join(f"{k}={v:.1f}{unit}" for k, v in r[key].items())
+        lines.append(
+            f"{(r['case'] + ' ' + r['metric']).ljust(width)}  ratio {_fmt(r['ratio'])}  "
+            f"aa {_fmt(r.get('aa'))}{target}  {extra}"
+        )
+    if m["cpu_count"] and max(m["loadavg"][0], m["loadavg_before"][0]) > m["cpu_count"]:
+        lines.append("WARNING: load average above the core count: the figures are noisy")
+    return "\n".join(lines)
+
+
+def run_bench(
+    kind: str,
+    *,
+    quick: bool = False,
+    out_dir: Path = Path("bench/results"),
+    tiny: bool = False,
+    **options: Any,
+) -> tuple[dict[str, Any], Path, Path | None]:
+    """Run one comparison; returns (record, JSON path, PNG path or None)."""
+    if kind not in KINDS:
+        raise CadenceValueError(f"unknown bench {kind!r}; choose one of {', '.join(KINDS)}")
+    module = importlib.import_module(f"cadence.bench.{_MODULES[kind]}")
+    record = module.run(quick=quick, tiny=tiny, **options)
+    record["tiny"] = tiny  # a plumbing check: never shown in the docs
+    path = write_record(record, out_dir)
+    chart = write_chart(record, path.with_suffix(".png"))
+    return record, path, chart
