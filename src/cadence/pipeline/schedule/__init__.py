@@ -5,7 +5,9 @@ Modules, each importing only those before it:
 - ``ir``: `Action`, `ActionKind`, `Payload`, `Schedule` (placement + per-rank
   action lists), text/JSON/CSV forms compatible with torch's action strings.
 - ``validate``: the compute and lowered rules, and the dataflow they are stated in.
-- ``generators``: GPipe, 1F1B, Interleaved 1F1B, LoopedBFS, ZB-H1, ZBV, DualPipeV.
+- ``orders``: placements, microbatch groups, the depth-first order, `replay`.
+- ``greedy`` / ``zero_bubble``: ZB-H1, ZBV, DualPipeV.
+- ``generators``: GPipe, 1F1B, Interleaved 1F1B, LoopedBFS and the registry.
 - ``sim``: the discrete-event simulator, `verify` (the runtime's gate) and
   `repair_deadlocks`.
 - ``passes``: lowering (comms, parity rule, reduce-grad insertion) and
@@ -14,6 +16,8 @@ Modules, each importing only those before it:
   plan and its digest (the one value every rank votes on).
 - ``viz``: ASCII grid, PNG and Chrome trace of a simulation.
 - ``show``: what ``cadence schedule show`` prints.
+- ``compare``: what ``cadence schedule compare`` prints (torch's generators
+  against cadence's; imports torch only when it compares).
 
 Everything here is deterministic and runs where torch is not installed.
 """
@@ -29,6 +33,14 @@ from cadence.pipeline.schedule.channels import (
     describe_plan_difference,
     logical_edges,
     plan_rounds,
+)
+from cadence.pipeline.schedule.compare import (
+    CompareRow,
+    OrderMetrics,
+    compare,
+    format_table,
+    order_metrics,
+    torch_order,
 )
 from cadence.pipeline.schedule.generators import (
     GENERATORS,
@@ -58,6 +70,7 @@ from cadence.pipeline.schedule.ir import (
     ScheduleValidationError,
     parse_action,
 )
+from cadence.pipeline.schedule.orders import microbatch_groups, replay
 from cadence.pipeline.schedule.passes import (
     add_comms,
     add_reduce_grad,
@@ -93,7 +106,9 @@ __all__ = [
     "Action",
     "ActionKind",
     "ChannelPlan",
+    "CompareRow",
     "FifoMismatchError",
+    "OrderMetrics",
     "Payload",
     "Schedule",
     "ScheduleDeadlockError",
@@ -109,11 +124,13 @@ __all__ = [
     "canonical_name",
     "channel_plan",
     "chrome_trace",
+    "compare",
     "complete_comms",
     "default_chunks",
     "derive_channels",
     "describe_plan_difference",
     "dualpipev",
+    "format_table",
     "generate",
     "gpipe",
     "inputs_of",
@@ -122,15 +139,19 @@ __all__ = [
     "loop_placement",
     "looped_bfs",
     "lower",
+    "microbatch_groups",
     "one_f_one_b",
+    "order_metrics",
     "outputs_of",
     "parse_action",
     "placement_for",
     "plan_rounds",
     "render_png",
     "repair_deadlocks",
+    "replay",
     "show_schedule",
     "simulate",
+    "torch_order",
     "torch_schedule_name",
     "v_placement",
     "validate_compute",
