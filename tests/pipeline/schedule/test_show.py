@@ -41,3 +41,14 @@ def test_show_reports_a_deadlock(tmp_path, capsys) -> None:
 def test_unknown_schedule_is_named(capsys) -> None:
     with pytest.raises(ValueError, match="unknown schedule 'nope'"):
         main(["schedule", "show", "nope"])
+
+
+def test_compare_prints_the_table_against_torch(capsys) -> None:
+    pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+    assert main(["schedule", "compare", "zbv", "dualpipev", "--pp", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "cadence / torch" in out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("zbv", "dualpipev"))}
+    assert "25.5 / 25.5" in lines["zbv"] and lines["zbv"].endswith("<=")
+    assert "27 / 27" in lines["dualpipev"] and lines["dualpipev"].endswith("<=")
+    assert "no worse than torch (both makespans and peak) in 2 of 2" in out
