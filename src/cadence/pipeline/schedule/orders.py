@@ -28,6 +28,7 @@ from cadence.pipeline.schedule.validate import inputs_of, outputs_of
 
 __all__ = [
     "check_sizes",
+    "compute_times",
     "depth_first",
     "loop_placement",
     "make_schedule",
@@ -87,41 +88,61 @@ def depth_first(
     return fwd, bwd
 
 
-def replay(sched: Schedule, *, f: float = 1.0, i: float = 1.0, w: float = 1.0) -> tuple[float, int]:
-    """(makespan, peak in-flight chunk activations on any rank) of a compute-only order.
+def compute_times(
+    sched: Schedule, cost: dict[ActionKind, float]
+) -> list[list[tuple[float, float]]]:
+    """(start, end) of every compute action, per rank in program order.
 
-    Each action starts when its rank is free and its cross-stage inputs exist;
-    transfers take no time. Durations are per full stage, divided by the chunks per
-    rank, as in the simulator's default `TimeModel`, so on a schedule whose lowering
-    is deadlock-free this is the simulator's makespan (the generators use it to pick
-    among candidate orders without lowering them).
+    Each compute starts when its rank is free and its cross-stage inputs exist;
+    transfers take no time and non-compute actions are skipped, so this works on
+    compute-only and lowered schedules alike. ``cost`` gives F, I, W and B; an
+    FB_OVERLAP costs the sum of its parts. Raises `ScheduleValidationError` if
+    some input is never produced (the compute order itself deadlocks).
     """
-    v = max(1, sched.num_stages // sched.num_ranks)
-    cost = {F: f / v, I: i / v, W: w / v, B: (i + w) / v}
     n = sched.num_stages
+    rows = [[a for a in acts if a.is_compute] for acts in sched.ranks]
+    times: list[list[tuple[float, float]]] = [[] for _ in rows]
     produced: dict[tuple, float] = {}
-    free = [0.0] * sched.num_ranks
-    pc = [0] * sched.num_ranks
-    live = [0] * sched.num_ranks
-    peak = 0
+    free = [0.0] * len(rows)
     progress = True
     while progress:
         progress = False
-        for r, acts in enumerate(sched.ranks):
-            while pc[r] < len(acts):
-                a = acts[pc[r]]
+        for r, acts in enumerate(rows):
+            while len(times[r]) < len(acts):
+                a = acts[len(times[r])]
                 need = [produced.get(e) for e in inputs_of(a, n)]
                 if any(t is None for t in need):
                     break
                 start = max([free[r], *need])  # type: ignore[list-item]
                 free[r] = start + sum(cost[c.kind] for c in a.compute_parts())
+                times[r].append((start, free[r]))
                 for e in outputs_of(a, n):
                     produced[e] = free[r]
-                for c in a.compute_parts():
-                    live[r] += 1 if c.kind is F else -1 if c.kind in (B, W) else 0
-                peak = max(peak, live[r])
-                pc[r] += 1
                 progress = True
-    if any(pc[r] < len(acts) for r, acts in enumerate(sched.ranks)):
-        raise ScheduleValidationError("compute order deadlocks: an input is never produced")
-    return max(free), peak
+    for r, acts in enumerate(rows):
+        if len(times[r]) < len(acts):
+            raise ScheduleValidationError(
+                f"the compute order deadlocks: rank {r}'s action {acts[len(times[r])]} waits "
+                "for an input that no rank ever produces before it is needed"
+            )
+    return times
+
+
+def replay(sched: Schedule, *, f: float = 1.0, i: float = 1.0, w: float = 1.0) -> tuple[float, int]:
+    """(makespan, peak in-flight chunk activations on any rank) of a compute-only order.
+
+    Durations are per full stage, divided by the chunks per rank, as in the
+    simulator's default `TimeModel`, so on a schedule whose lowering is
+    deadlock-free this is the simulator's makespan (the generators use it to pick
+    among candidate orders without lowering them).
+    """
+    v = max(1, sched.num_stages // sched.num_ranks)
+    times = compute_times(sched, {F: f / v, I: i / v, W: w / v, B: (i + w) / v})
+    peak = 0
+    for acts in sched.ranks:
+        live = 0
+        for a in acts:
+            for c in a.compute_parts():
+                live += 1 if c.kind is F else -1 if c.kind in (B, W) else 0
+            peak = max(peak, live)
+    return max((t[-1][1] for t in times if t), default=0.0), peak

@@ -200,6 +200,7 @@ class _Sim:
         self.sends: dict[tuple[int, int], list[_Op]] = {}
         self.recvs: dict[tuple[int, int], list[_Op]] = {}
         self.queues: dict[tuple[int, Any], list[_Op]] = {}
+        self.heads: dict[tuple[int, Any], tuple[int, float]] = {}
         self.matched: dict[tuple[int, int], int] = {}
         self.avail: dict[tuple[int, tuple], float] = {}  # (rank, input key) -> time available
         self.recv_of: dict[tuple[int, tuple], _Op] = {}
@@ -232,14 +233,15 @@ class _Sim:
         time the communicator is free for ``op`` (serialisation model)."""
         if not self.serialize:
             return 0.0
-        free = 0.0
-        for o in self.queues[(op.rank, op.group)]:
-            if o is op:
-                return free
-            if o.done is None:
-                return None
-            free = max(free, o.done)
-        return free
+        # Ops of a serialised queue complete in issue order, so a cursor past the
+        # finished prefix (and the latest finish in it) answers in amortised O(1).
+        q = (op.rank, op.group)
+        queue, (head, free) = self.queues[q], self.heads.get(q, (0, 0.0))
+        while head < len(queue) and queue[head] is not op and queue[head].done is not None:
+            free = max(free, queue[head].done)  # type: ignore[type-var]
+            head += 1
+        self.heads[q] = (head, free)
+        return free if head < len(queue) and queue[head] is op else None
 
     def _match(self) -> bool:
         progress = False
