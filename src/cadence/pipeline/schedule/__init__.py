@@ -10,8 +10,10 @@ Modules, each importing only those before it:
 - ``generators``: GPipe, 1F1B, Interleaved 1F1B, LoopedBFS and the registry.
 - ``sim``: the discrete-event simulator, `verify` (the runtime's gate) and
   `repair_deadlocks`.
-- ``passes``: lowering (comms, parity rule, reduce-grad insertion) and
-  `complete_comms` for schedules lowered by torch pipelining.
+- ``dp_passes``: REDUCE_GRAD with deferred waits (<= K in flight), UNSHARD /
+  RESHARD placement.
+- ``passes``: lowering (comms in one global message order, then ``dp_passes``)
+  and `complete_comms` for schedules lowered by torch pipelining.
 - ``channels``: the directed P2P channels of a lowered schedule, their creation
   plan and its digest (the one value every rank votes on).
 - ``viz``: ASCII grid, PNG and Chrome trace of a simulation.
@@ -41,6 +43,11 @@ from cadence.pipeline.schedule.compare import (
     format_table,
     order_metrics,
     torch_order,
+)
+from cadence.pipeline.schedule.dp_passes import (
+    add_reduce_grad,
+    add_unshard_reshard,
+    add_wait_reduce,
 )
 from cadence.pipeline.schedule.generators import (
     GENERATORS,
@@ -73,15 +80,15 @@ from cadence.pipeline.schedule.ir import (
 from cadence.pipeline.schedule.orders import microbatch_groups, replay
 from cadence.pipeline.schedule.passes import (
     add_comms,
-    add_reduce_grad,
-    add_wait_reduce,
     apply_parity_rule,
     complete_comms,
     lower,
+    order_comms,
 )
 from cadence.pipeline.schedule.show import show_schedule
 from cadence.pipeline.schedule.sim import (
     FifoMismatchError,
+    MemoryModel,
     ScheduleDeadlockError,
     SimResult,
     TimeModel,
@@ -94,6 +101,8 @@ from cadence.pipeline.schedule.validate import (
     outputs_of,
     validate_compute,
     validate_lowered,
+    validate_reductions,
+    validate_residency,
 )
 from cadence.pipeline.schedule.viz import ascii_grid, chrome_trace, render_png
 
@@ -108,6 +117,7 @@ __all__ = [
     "ChannelPlan",
     "CompareRow",
     "FifoMismatchError",
+    "MemoryModel",
     "OrderMetrics",
     "Payload",
     "Schedule",
@@ -118,6 +128,7 @@ __all__ = [
     "TimeModel",
     "add_comms",
     "add_reduce_grad",
+    "add_unshard_reshard",
     "add_wait_reduce",
     "apply_parity_rule",
     "ascii_grid",
@@ -141,6 +152,7 @@ __all__ = [
     "lower",
     "microbatch_groups",
     "one_f_one_b",
+    "order_comms",
     "order_metrics",
     "outputs_of",
     "parse_action",
@@ -156,6 +168,8 @@ __all__ = [
     "v_placement",
     "validate_compute",
     "validate_lowered",
+    "validate_reductions",
+    "validate_residency",
     "verify",
     "zb_h1",
     "zbv",

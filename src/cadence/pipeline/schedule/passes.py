@@ -9,29 +9,8 @@
    ``channel = (src_rank, dst_rank)`` and ``seq``. See [Note: receives in FIFO order].
 3. `order_comms`: puts every rank's SENDs and RECVs into one global message order;
    see [Note: one global message order].
-4. `add_reduce_grad` / `add_wait_reduce`: see [Note: one global message order]
-A communicator (NCCL's, and gloo's per peer) runs a rank's operations on it in
-the order they were posted, so a receive can wait behind a send to another rank
-that waits for that rank's own receive, and so on around a cycle. With one
-communicator per directed rank pair only a channel's own FIFO orders anything; with
-one per direction, or one shared by all, the order in which each rank posts
-unrelated transfers matters (pytorch/pytorch#195760: 104 of 120 of cadence's
-earlier lowered schedules deadlocked in the simulator on one shared communicator).
-`order_comms` removes the hazard at its root. It times the compute order once
-(unit costs: F = I = W = 1, B = 2, `compute_times`), gives every message the
-time its producer ends, and sorts all messages of the step by (time, src stage,
-dst stage, payload, microbatch): one global order, the same on every rank. Each
-rank posts its SENDs and RECVs in that order: a SEND right after its producer, a
-RECV after every compute of its rank that ends by the message's time (so still
-before its consumer, which cannot start earlier). Then every rank's transfers
-are a subsequence of one global sequence, consistent with its computes, and
-message k can always complete once messages 0..k-1 have: its producer and every
-compute before either endpoint's post need only messages sent earlier. That holds
-under any durations and any grouping of channels into communicators (per
-directed edge, per direction, or one shared), which the simulator checks for
-every generator. Sequence numbers are then renumbered in the new sender order.
-
-[Note: deferred gradient reduction].
+4. ``dp_passes``: `add_reduce_grad` / `add_wait_reduce` (the data-parallel
+   reduction and its deferred wait) and, when asked, `add_unshard_reshard`.
 5. `validate_lowered` (``validate.py``): the lowered rules. The simulator
    (``sim.verify``) is the final gate, run by the runtime before any group exists.
 
@@ -84,14 +63,6 @@ compute before either endpoint's post need only messages sent earlier. That hold
 under any durations and any grouping of channels into communicators (per
 directed edge, per direction, or one shared), which the simulator checks for
 every generator. Sequence numbers are then renumbered in the new sender order.
-
-[Note: deferred gradient reduction]
-A stage's gradients are final after its last B or W of the step, so REDUCE_GRAD
-(issue the data-parallel reduction, asynchronously) goes right after it, while the
-other local stages still compute. WAIT_REDUCE_GRAD goes just before the next local
-REDUCE_GRAD, or at the end of the rank's list: at most one reduction per rank is
-in flight, which bounds the memory of reduction buffers, and each one overlaps the
-compute that follows it.
 """
 
 from __future__ import annotations
@@ -100,6 +71,11 @@ from bisect import bisect_right
 from collections import Counter
 from dataclasses import replace
 
+from cadence.pipeline.schedule.dp_passes import (
+    add_reduce_grad,
+    add_unshard_reshard,
+    add_wait_reduce,
+)
 from cadence.pipeline.schedule.ir import (
     Action,
     ActionKind,
@@ -203,13 +179,16 @@ def complete_comms(sched: Schedule) -> Schedule:
     rank. This adds them as cadence's own lowering does: a LOCAL right after each
     same-rank producer, ``channel = (src_rank, dst_rank)`` on every SEND and RECV,
     and per-channel sequence numbers in the sender's program order (a RECV takes
-    the number of the SEND it matches). The result is then validated and
+    the number of the SEND it matches). torch's REDUCE_GRAD blocks, so each gets
+    its WAIT_REDUCE_GRAD right after it. The result is then validated and
     simulated like any lowered schedule: a torch list whose receives are out of
     FIFO order is refused, not run (see [Note: receives in FIFO order]).
     """
     for r, acts in enumerate(sched.ranks):
         for a in acts:
-            if a.kind is K.LOCAL or (a.kind in (K.SEND, K.RECV) and a.seq is not None):
+            if a.kind in (K.LOCAL, K.WAIT_REDUCE_GRAD) or (
+                a.kind in (K.SEND, K.RECV) and a.seq is not None
+            ):
                 raise ScheduleValidationError(
                     f"rank {r}: {a} already has cadence's fields (LOCAL or #seq); "
                     "complete_comms takes torch's lowered format, and a cadence lowered "
@@ -228,6 +207,9 @@ def complete_comms(sched: Schedule) -> Schedule:
                 a = replace(a, channel=ch, seq=seq[ch])
                 seq[ch] += 1
             row.append(a)
+            if a.kind is K.REDUCE_GRAD:
+                # torch's REDUCE_GRAD blocks until the reduction is done: issue + wait.
+                row.append(Action(K.WAIT_REDUCE_GRAD, a.stage))
             for src, dst, payload, mb in outputs_of(a, n) if a.is_compute else ():
                 if place[dst] == r:
                     row.append(Action(K.LOCAL, src, mb, peer_stage=dst, payload=payload))
@@ -266,91 +248,6 @@ def _src_rank(sched: Schedule, a: Action) -> int:
     if a.channel is not None:
         return a.channel[0]
     return sched.placement[a.peer_stage] if a.peer_stage is not None else -1
-
-
-def add_reduce_grad(sched: Schedule) -> Schedule:
-    """REDUCE_GRAD(stage) right after the stage's last B or W on its rank.
-
-        See [Note: one global message order]
-    A communicator (NCCL's, and gloo's per peer) runs a rank's operations on it in
-    the order they were posted, so a receive can wait behind a send to another rank
-    that waits for that rank's own receive, and so on around a cycle. With one
-    communicator per directed rank pair only a channel's own FIFO orders anything; with
-    one per direction, or one shared by all, the order in which each rank posts
-    unrelated transfers matters (pytorch/pytorch#195760: 104 of 120 of cadence's
-    earlier lowered schedules deadlocked in the simulator on one shared communicator).
-    `order_comms` removes the hazard at its root. It times the compute order once
-    (unit costs: F = I = W = 1, B = 2, `compute_times`), gives every message the
-    time its producer ends, and sorts all messages of the step by (time, src stage,
-    dst stage, payload, microbatch): one global order, the same on every rank. Each
-    rank posts its SENDs and RECVs in that order: a SEND right after its producer, a
-    RECV after every compute of its rank that ends by the message's time (so still
-    before its consumer, which cannot start earlier). Then every rank's transfers
-    are a subsequence of one global sequence, consistent with its computes, and
-    message k can always complete once messages 0..k-1 have: its producer and every
-    compute before either endpoint's post need only messages sent earlier. That holds
-    under any durations and any grouping of channels into communicators (per
-    directed edge, per direction, or one shared), which the simulator checks for
-    every generator. Sequence numbers are then renumbered in the new sender order.
-
-    [Note: deferred gradient reduction].
-    """
-    out = []
-    for acts in sched.ranks:
-        last: dict[int, int] = {}
-        for i, a in enumerate(acts):
-            for c in a.compute_parts():
-                if c.kind in (K.B, K.W):
-                    last[c.stage] = i
-        new: list[Action] = []
-        for i, a in enumerate(acts):
-            new.append(a)
-            new.extend(Action(K.REDUCE_GRAD, s) for s in sorted(last) if last[s] == i)
-        out.append(new)
-    return sched.with_ranks(out)
-
-
-def add_wait_reduce(sched: Schedule) -> Schedule:
-    """WAIT_REDUCE_GRAD(stage) just before the next local REDUCE_GRAD, or at the end.
-
-        See [Note: one global message order]
-    A communicator (NCCL's, and gloo's per peer) runs a rank's operations on it in
-    the order they were posted, so a receive can wait behind a send to another rank
-    that waits for that rank's own receive, and so on around a cycle. With one
-    communicator per directed rank pair only a channel's own FIFO orders anything; with
-    one per direction, or one shared by all, the order in which each rank posts
-    unrelated transfers matters (pytorch/pytorch#195760: 104 of 120 of cadence's
-    earlier lowered schedules deadlocked in the simulator on one shared communicator).
-    `order_comms` removes the hazard at its root. It times the compute order once
-    (unit costs: F = I = W = 1, B = 2, `compute_times`), gives every message the
-    time its producer ends, and sorts all messages of the step by (time, src stage,
-    dst stage, payload, microbatch): one global order, the same on every rank. Each
-    rank posts its SENDs and RECVs in that order: a SEND right after its producer, a
-    RECV after every compute of its rank that ends by the message's time (so still
-    before its consumer, which cannot start earlier). Then every rank's transfers
-    are a subsequence of one global sequence, consistent with its computes, and
-    message k can always complete once messages 0..k-1 have: its producer and every
-    compute before either endpoint's post need only messages sent earlier. That holds
-    under any durations and any grouping of channels into communicators (per
-    directed edge, per direction, or one shared), which the simulator checks for
-    every generator. Sequence numbers are then renumbered in the new sender order.
-
-    [Note: deferred gradient reduction].
-    """
-    out = []
-    for acts in sched.ranks:
-        new: list[Action] = []
-        pending: int | None = None
-        for a in acts:
-            if a.kind is K.REDUCE_GRAD:
-                if pending is not None:
-                    new.append(Action(K.WAIT_REDUCE_GRAD, pending))
-                pending = a.stage
-            new.append(a)
-        if pending is not None:
-            new.append(Action(K.WAIT_REDUCE_GRAD, pending))
-        out.append(new)
-    return sched.with_ranks(out)
 
 
 def order_comms(sched: Schedule) -> Schedule:
@@ -420,10 +317,28 @@ def _renumber(sched: Schedule) -> Schedule:
     return sched.with_ranks(rows)
 
 
-def lower(sched: Schedule, *, reduce_grad: bool = True) -> Schedule:
-    """Compute-only -> the lowered schedule the runtime executes (see the module docstring)."""
+def lower(
+    sched: Schedule,
+    *,
+    reduce_grad: bool = True,
+    max_outstanding_reductions: int = 1,
+    unshard_lookahead: int | None = None,
+) -> Schedule:
+    """Compute-only -> the lowered schedule the runtime executes (see the module docstring).
+
+    Args:
+        reduce_grad: add REDUCE_GRAD / WAIT_REDUCE_GRAD (False: a schedule for an
+            accumulation step, which reduces nothing).
+        max_outstanding_reductions: K, the reductions a rank keeps in flight
+            before it waits for the oldest (`add_wait_reduce`).
+        unshard_lookahead: if given, add UNSHARD / RESHARD per stage with this
+            prefetch distance in compute actions (`add_unshard_reshard`); None
+            leaves parameter residency to the stage wrappers.
+    """
     low = order_comms(add_comms(sched))
     if reduce_grad:
-        low = add_wait_reduce(add_reduce_grad(low))
+        low = add_wait_reduce(add_reduce_grad(low), max_outstanding=max_outstanding_reductions)
+    if unshard_lookahead is not None:
+        low = add_unshard_reshard(low, lookahead=unshard_lookahead)
     validate_lowered(low)
     return low

@@ -42,6 +42,7 @@ __all__ = [
     "validate_compute",
     "validate_lowered",
     "validate_reductions",
+    "validate_residency",
 ]
 
 K = ActionKind
@@ -156,9 +157,11 @@ def validate_compute(sched: Schedule, m: int | None = None) -> None:
 
 def validate_lowered(sched: Schedule) -> None:
     """Check the lowered rules: pairing of SEND/RECV, consumption, LOCAL, waits,
-    gradient reductions (`validate_reductions`)."""
+    gradient reductions (`validate_reductions`), parameter residency
+    (`validate_residency`)."""
     validate_compute(sched)
     validate_reductions(sched)
+    validate_residency(sched)
     n = sched.num_stages
     sends: dict[tuple, tuple[int, int, Action]] = {}
     recvs: dict[tuple, tuple[int, int, Action]] = {}
@@ -290,3 +293,47 @@ def validate_reductions(sched: Schedule) -> None:
             f"{sorted(issued_any)} have one: every stage reduces once per step, or none "
             "does (lower(..., reduce_grad=False))"
         )
+
+
+def validate_residency(sched: Schedule) -> None:
+    """The UNSHARD / RESHARD rules: where a schedule has any, every stage has one
+    UNSHARD before its first compute and one RESHARD after its last, on its rank."""
+    kinds = (K.UNSHARD, K.RESHARD)
+    if not any(a.kind in kinds for acts in sched.ranks for a in acts):
+        return
+    for r, acts in enumerate(sched.ranks):
+        seen: dict[tuple[K, int], int] = {}
+        for i, a in enumerate(acts):
+            where = f"rank {r}, action {i} ({a})"
+            if a.kind in kinds:
+                if sched.placement[a.stage] != r:
+                    raise _err(
+                        f"{where}: stage {a.stage} lives on rank {sched.placement[a.stage]}; "
+                        "its parameters are gathered and freed there"
+                    )
+                if (a.kind, a.stage) in seen:
+                    raise _err(
+                        f"{where}: duplicate {a.kind.name} for stage {a.stage} (first at action "
+                        f"{seen[(a.kind, a.stage)]}); one gather and one free per step"
+                    )
+                if a.kind is K.RESHARD and (K.UNSHARD, a.stage) not in seen:
+                    raise _err(f"{where}: RESHARD of stage {a.stage} before its UNSHARD")
+                seen[(a.kind, a.stage)] = i
+            for c in a.compute_parts():
+                if (K.UNSHARD, c.stage) not in seen:
+                    raise _err(
+                        f"rank {r}, action {i} ({c}): stage {c.stage} computes before its "
+                        "UNSHARD (its parameters are still sharded)"
+                    )
+                if (K.RESHARD, c.stage) in seen:
+                    raise _err(
+                        f"rank {r}, action {i} ({c}): stage {c.stage} computes after its "
+                        f"RESHARD (action {seen[(K.RESHARD, c.stage)]}); reshard after the last use"
+                    )
+        for s in sched.stages_of(r):
+            for kind in kinds:
+                if (kind, s) not in seen:
+                    raise _err(
+                        f"rank {r}: missing {kind.name} for stage {s}; with UNSHARD/RESHARD in a "
+                        "schedule every stage has one of each"
+                    )
