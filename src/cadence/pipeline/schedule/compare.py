@@ -8,7 +8,7 @@ orders and nothing else:
   W at half the cost of I (``cheap W``: F = I = 1, W = 0.5), the case zero-bubble
   orders are usually tuned for and a fixed order can lose most in;
 - ``peak``: the most chunk activations alive at once on any rank (an F adds one,
-  a B or W frees one);
+  a B or W frees one), the rank that runs out of memory first;
 - ``bubble``: idle / (p x makespan) at equal costs.
 
 torch is needed only for its side: `torch_order` imports
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from cadence.pipeline.schedule.generators import (
     canonical_name,
-    default_chunks,
     generate,
     placement_for,
     torch_schedule_name,
@@ -137,9 +136,12 @@ def compare(
     rows = []
     for name in names:
         key = canonical_name(name)
-        v = 1 if default_chunks(key) == 1 and key != "zb_h1" else (chunks or 2)
-        if key in ("zbv", "dualpipev"):
+        if key in ("gpipe", "1f1b"):
+            v = 1
+        elif key in ("zbv", "dualpipev"):
             v = 2
+        else:
+            v = chunks or 2
         for p in ps:
             for m in ms if ms is not None else default_grid(p):
                 theirs = _torch_metrics(key, p, m, v)

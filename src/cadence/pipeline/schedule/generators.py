@@ -93,8 +93,7 @@ def _interleaved_order(p: int, m: int, v: int, r: int) -> list[Action]:
     # over chunks, then the remaining backwards.
     fwd, bwd = depth_first(p, m, v, r)
     total = v * m
-    # With one group of exactly p, all forwards first leaves the least idle time.
-    warm = total if m == p else min(2 * (p - 1 - r) + (v - 1) * microbatch_groups(m, p)[0], total)
+    warm = min(2 * (p - 1 - r) + (v - 1) * microbatch_groups(m, p)[0], total)
     row = [Action(F, *fwd[k]) for k in range(warm)]
     for i in range(total - warm):
         row += [Action(F, *fwd[warm + i]), Action(B, *bwd[i])]

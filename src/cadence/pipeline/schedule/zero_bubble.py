@@ -82,8 +82,7 @@ def zb_h1(p: int, m: int, v: int = 1) -> Schedule:
 class _Counters:
     """Per-rank bookkeeping of a V order: next microbatch per (stage, kind), W queue."""
 
-    def __init__(self, m: int) -> None:
-        self.m = m
+    def __init__(self) -> None:
         self.next: dict[tuple[int, ActionKind], int] = {}
         self.pending_w: list[tuple[int, int]] = []
         self.row: list[Action] = []
@@ -122,7 +121,7 @@ def _zbv_phases(p: int, m: int) -> Schedule:
     n = max(m, 2 * p - 1)
     rows = []
     for r in range(p):
-        c, s0, s1 = _Counters(n), r, 2 * p - 1 - r
+        c, s0, s1 = _Counters(), r, 2 * p - 1 - r
         for _ in range(2 * (p - r) - 1):
             c.add(s0, F)
         for _ in range(r):
@@ -189,7 +188,7 @@ def dualpipev(p: int, m: int, v: int = 2) -> Schedule:
         raise ScheduleValidationError(f"dualpipev needs m >= 2p microbatches (got m={m}, p={p})")
     rows = []
     for r in range(p):
-        c, s0, s1 = _Counters(m), r, 2 * p - 1 - r
+        c, s0, s1 = _Counters(), r, 2 * p - 1 - r
         for _ in range(2 * (p - r - 1)):
             c.add(s0, F)
         for _ in range(r + 1):
