@@ -13,7 +13,7 @@ plus one for DualPipeV's overlapped pairs, and defers a W only as far as that
 bound allows:
 - ZB-H1 (loop placement): the interleaved 1F1B order of F and I with a warm-up one
   hop shorter per rank (an I is cheaper than a full B, so fewer forwards keep the
-  rank busy), and each W trailing its I by r actions on rank r. The last rank runs
+  rank busy), and each W trailing its I by r input gradients on rank r. The last rank runs
   W right after I; rank r keeps r W's in hand to fill the r cooldown slots in which
   it waits for gradients (the ZB-H1 construction of the Zero Bubble paper).
 - ZBV: two chunks per rank in a V, in the phases of the paper's ZB-V: a warm-up of
