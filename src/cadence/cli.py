@@ -3,6 +3,8 @@
 - ``cadence train``: train the embedded TinyGPT (`cadence.train`).
 - ``cadence schedule show``: a pipeline schedule's grid, simulator statistics,
   channels and digest (`cadence.pipeline.schedule.show`).
+- ``cadence schedule compare``: cadence's generators against torch pipelining's,
+  in cadence's simulator (`cadence.pipeline.schedule.compare`; needs torch).
 - ``cadence bench {dp,fsdp,pp,pickle,report}``: cadence against PyTorch's own
   implementations, side by side (`cadence.bench`).
 
@@ -124,7 +126,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def add_schedule_subcommand(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``schedule show`` to an argparse sub-parser collection."""
+    """Add ``schedule show`` and ``schedule compare`` to an argparse sub-parser collection."""
     parser = subparsers.add_parser("schedule", help="inspect pipeline schedules (no process group)")
     sub = parser.add_subparsers(dest="schedule_command", required=True)
     show = sub.add_parser("show", help="ASCII grid, PNG and simulator statistics of a schedule")
@@ -138,6 +140,21 @@ def add_schedule_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     show.add_argument("--trace", type=Path, default=None, help="write a Chrome trace JSON here")
     show.add_argument("--mode", default="per_directed_edge", choices=list(CHANNEL_MODES))
     show.set_defaults(func=_schedule_show)
+    cmp = sub.add_parser(
+        "compare",
+        help="makespan, peak activations and bubble of cadence's generators against torch's",
+    )
+    cmp.add_argument(
+        "names", nargs="*", default=list(SCHEDULE_NAMES), help="schedules (default: all)"
+    )
+    cmp.add_argument("--pp", type=int, nargs="+", default=[2, 4, 8], help="pipeline ranks p")
+    cmp.add_argument(
+        "--microbatches", "-m", type=int, nargs="+", default=None, help="default: a grid per p"
+    )
+    cmp.add_argument(
+        "--chunks", type=int, default=None, help="v of the looped schedules (default 2)"
+    )
+    cmp.set_defaults(func=_schedule_compare)
     return parser
 
 
@@ -153,6 +170,23 @@ def _schedule_show(args: argparse.Namespace) -> int:
         trace=args.trace,
         mode=args.mode,
     )
+
+
+def _schedule_compare(args: argparse.Namespace) -> int:
+    from cadence.pipeline.schedule.compare import compare, format_table
+
+    try:
+        rows = compare(args.names, args.pp, args.microbatches, chunks=args.chunks)
+    except ImportError as e:
+        print(
+            f"cadence schedule compare needs torch's pipelining generators to compare "
+            f"against, and they cannot be imported here ({e}). Install torch, or use "
+            "'cadence schedule show NAME' for cadence's own numbers.",
+            file=sys.stderr,
+        )
+        return 1
+    print(format_table(rows))
+    return 0
 
 
 # -- cadence bench ----------------------------------------------------------------

@@ -77,9 +77,9 @@ def test_refused(flags: dict, message: str) -> None:
 def test_schedule_rules_come_from_the_generator() -> None:
     with pytest.raises(ScheduleValidationError, match="unknown schedule 'zz'"):
         TrainConfig(pp=2, schedule="zz")
-    with pytest.raises(ScheduleValidationError, match="m divisible by p"):
+    with pytest.raises(ScheduleValidationError, match="dualpipev needs m >= 2p"):
         TrainConfig(
-            pp=2, schedule="interleaved", microbatches=3, batch_size=6, model=GPTConfig(n_layers=4)
+            pp=2, schedule="dualpipev", microbatches=3, batch_size=6, model=GPTConfig(n_layers=4)
         )
 
 

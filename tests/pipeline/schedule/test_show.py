@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cadence.cli import main
-from cadence.pipeline.schedule import Schedule, generate, lower
+from cadence.pipeline.schedule import Schedule, add_comms, generate
 
 
 def test_show_prints_grid_stats_and_writes_png(tmp_path, capsys) -> None:
@@ -30,9 +30,10 @@ def test_show_interleaved_and_csv(tmp_path, capsys) -> None:
 
 
 def test_show_reports_a_deadlock(tmp_path, capsys) -> None:
-    # Lowered interleaved on 4 ranks hangs on shared communicators (see test_sim.py).
+    # Receives posted just before their consumers (add_comms alone) hang on shared
+    # communicators for interleaved on 4 ranks (see test_sim.py).
     path = tmp_path / "low.json"
-    lower(generate("interleaved", 4, 8, 2)).to_json(path)
+    add_comms(generate("interleaved", 4, 8, 2)).to_json(path)
     assert Schedule.from_json(path).meta.lowered
     assert main(["schedule", "show", str(path), "--mode", "shared"]) == 2
     assert "simulator rejects the schedule" in capsys.readouterr().err
@@ -41,3 +42,14 @@ def test_show_reports_a_deadlock(tmp_path, capsys) -> None:
 def test_unknown_schedule_is_named(capsys) -> None:
     with pytest.raises(ValueError, match="unknown schedule 'nope'"):
         main(["schedule", "show", "nope"])
+
+
+def test_compare_prints_the_table_against_torch(capsys) -> None:
+    pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
+    assert main(["schedule", "compare", "zbv", "dualpipev", "--pp", "4", "-m", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "cadence / torch" in out
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith(("zbv", "dualpipev"))}
+    assert "25.5 / 25.5" in lines["zbv"] and lines["zbv"].endswith("<=")
+    assert "27 / 27" in lines["dualpipev"] and lines["dualpipev"].endswith("<=")
+    assert "no worse than torch (both makespans and peak) in 2 of 2" in out

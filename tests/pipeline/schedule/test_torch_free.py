@@ -94,6 +94,19 @@ def test_cadence_schedule_show_without_torch(tmp_path: Path) -> None:
         assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_compare_without_torch_says_what_it_needs(tmp_path: Path) -> None:
+    r = _run(
+        """
+        from cadence.cli import main
+        print("rc", main(["schedule", "compare", "zbv", "--pp", "2", "-m", "4"]))
+        """,
+        tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "rc 1" in r.stdout
+    assert "needs torch's pipelining generators" in r.stderr and "cadence schedule show" in r.stderr
+
+
 def test_train_needs_torch_only_when_it_runs(tmp_path: Path) -> None:
     r = _run(
         """
@@ -109,7 +122,15 @@ def test_train_needs_torch_only_when_it_runs(tmp_path: Path) -> None:
     assert "needs torch" in r.stdout
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["schedule", "show", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["train", "--help"],
+        ["schedule", "show", "--help"],
+        ["schedule", "compare", "--help"],
+    ],
+)
 def test_help_without_torch(tmp_path: Path, argv: list[str]) -> None:
     r = _run(
         f"""

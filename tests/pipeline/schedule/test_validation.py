@@ -162,3 +162,61 @@ def test_channel_field_must_match_the_placement() -> None:
         ScheduleValidationError, match=r"channel \(1, 0\) but stage 0 -> 1 is rank 0 -> 1"
     ):
         validate_lowered(sched.with_ranks(bad))
+
+
+# -- gradient reductions: one rule, one failing schedule each ---------------------
+
+
+def _reduced() -> list[list[str]]:
+    """1F1B on 2 ranks, lowered with REDUCE_GRAD / WAIT_REDUCE_GRAD, as text rows."""
+    return [[str(a) for a in acts] for acts in lower(generate("1f1b", 2, 2)).ranks]
+
+
+def _check(rows: list[list[str]], match: str) -> None:
+    with pytest.raises(ScheduleValidationError, match=match):
+        validate_lowered(_sched(rows, placement=[0, 1]))
+
+
+def test_lowered_reductions_are_valid() -> None:
+    rows = _reduced()
+    assert rows[0][-2:] == ["0REDUCE_GRAD", "0WAIT_REDUCE_GRAD"]
+    validate_lowered(_sched(rows, placement=[0, 1]))
+
+
+def test_duplicate_reduce_grad() -> None:
+    rows = _reduced()
+    rows[0].insert(rows[0].index("0REDUCE_GRAD"), "0REDUCE_GRAD")
+    _check(rows, r"duplicate REDUCE_GRAD for stage 0 \(first at action")
+
+
+def test_duplicate_wait_reduce_grad() -> None:
+    rows = _reduced()
+    rows[1].append("1WAIT_REDUCE_GRAD")
+    _check(rows, "duplicate WAIT_REDUCE_GRAD for stage 1")
+
+
+def test_missing_wait_reduce_grad() -> None:
+    rows = _reduced()
+    rows[1].remove("1WAIT_REDUCE_GRAD")
+    _check(rows, "missing WAIT_REDUCE_GRAD for stage 1; a reduction issued in a step")
+
+
+def test_missing_reduce_grad_for_one_stage() -> None:
+    rows = _reduced()
+    rows[1] = [a for a in rows[1] if "REDUCE" not in a]
+    _check(rows, r"missing REDUCE_GRAD for stage\(s\) \[1\] .* reduce_grad=False")
+    # None at all is an accumulation step: valid.
+    validate_lowered(lower(generate("1f1b", 2, 2), reduce_grad=False))
+
+
+def test_reduce_grad_before_last_backward() -> None:
+    rows = _reduced()
+    rows[0].remove("0REDUCE_GRAD")
+    rows[0].insert(rows[0].index("0B1"), "0REDUCE_GRAD")
+    _check(rows, "REDUCE_GRAD for stage 0 before its last backward")
+
+
+def test_reduce_grad_on_another_rank() -> None:
+    rows = _reduced()
+    rows[0] += ["1REDUCE_GRAD", "1WAIT_REDUCE_GRAD"]
+    _check(rows, "stage 1 lives on rank 1; a stage's reduction runs on its own rank")

@@ -7,12 +7,16 @@
    RECV per SEND on the consumer's rank, just before its consumer but never after
    a later-sequence RECV on the same channel. Every SEND/RECV gets
    ``channel = (src_rank, dst_rank)`` and ``seq``. See [Note: receives in FIFO order].
-3. `apply_parity_rule`: see [Note: the parity rule].
-4. `repair_deadlocks` (``sim.py``): hoists receives that a blocked rendezvous send
-   waits for. It lives beside the simulator it runs, so passes -> sim is one-way.
-5. `add_reduce_grad` / `add_wait_reduce`: see [Note: deferred gradient reduction].
-6. `validate_lowered` (``validate.py``): the lowered rules. The simulator
+3. `order_comms`: puts every rank's SENDs and RECVs into one global message order;
+   see [Note: one global message order].
+4. ``dp_passes``: `add_reduce_grad` / `add_wait_reduce` (the data-parallel
+   reduction and its deferred wait) and, when asked, `add_unshard_reshard`.
+5. `validate_lowered` (``validate.py``): the lowered rules. The simulator
    (``sim.verify``) is the final gate, run by the runtime before any group exists.
+
+`apply_parity_rule` and `repair_deadlocks` (``sim.py``) remain as standalone
+passes for hand-lowered schedules; `lower` needs neither, since a global order
+already rules out the cycles they break.
 
 `complete_comms` is the entry for a schedule lowered elsewhere (torch pipelining's
 ``SEND_F``/``RECV_B`` lists): it adds what cadence's IR states and torch's leaves
@@ -38,27 +42,48 @@ even/odd ordering, and torch's ``_defer_recv_ops`` rule (pytorch/pytorch#178815)
 which fixed the two-node deadlock of naively deferred receives reported in
 pytorch/pytorch#172668.
 
-[Note: deferred gradient reduction]
-A stage's gradients are final after its last B or W of the step, so REDUCE_GRAD
-(issue the data-parallel reduction, asynchronously) goes right after it, while the
-other local stages still compute. WAIT_REDUCE_GRAD goes just before the next local
-REDUCE_GRAD, or at the end of the rank's list: at most one reduction per rank is
-in flight, which bounds the memory of reduction buffers, and each one overlaps the
-compute that follows it.
+[Note: one global message order]
+A communicator (NCCL's, and gloo's per peer) runs a rank's operations on it in
+the order they were posted, so a receive can wait behind a send to another rank
+that waits for that rank's own receive, and so on around a cycle. With one
+communicator per directed rank pair only a channel's own FIFO orders anything; with
+one per direction, or one shared by all, the order in which each rank posts
+unrelated transfers matters (pytorch/pytorch#195760; receives posted just before
+their consumers deadlocked 182 of 215 of cadence's lowered generator schedules in
+the simulator on one shared communicator, 127 on per-direction ones).
+`order_comms` removes the hazard at its root. It times the compute order once
+(unit costs: F = I = W = 1, B = 2, `compute_times`), gives every message the
+time its producer ends, and sorts all messages of the step by (time, src stage,
+dst stage, payload, microbatch): one global order, the same on every rank. Each
+rank posts its SENDs and RECVs in that order: a SEND right after its producer, a
+RECV after every compute of its rank that ends by the message's time (so still
+before its consumer, which cannot start earlier). Then every rank's transfers
+are a subsequence of one global sequence, consistent with its computes, and
+message k can always complete once messages 0..k-1 have: its producer and every
+compute before either endpoint's post need only messages sent earlier. That holds
+under any durations and any grouping of channels into communicators (per
+directed edge, per direction, or one shared), which the simulator checks for
+every generator. Sequence numbers are then renumbered in the new sender order.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import replace
 
+from cadence.pipeline.schedule.dp_passes import (
+    add_reduce_grad,
+    add_unshard_reshard,
+    add_wait_reduce,
+)
 from cadence.pipeline.schedule.ir import (
     Action,
     ActionKind,
     Schedule,
     ScheduleValidationError,
 )
-from cadence.pipeline.schedule.sim import repair_deadlocks
+from cadence.pipeline.schedule.orders import compute_times
 from cadence.pipeline.schedule.validate import (
     inputs_of,
     outputs_of,
@@ -73,6 +98,7 @@ __all__ = [
     "apply_parity_rule",
     "complete_comms",
     "lower",
+    "order_comms",
 ]
 
 K = ActionKind
@@ -154,13 +180,16 @@ def complete_comms(sched: Schedule) -> Schedule:
     rank. This adds them as cadence's own lowering does: a LOCAL right after each
     same-rank producer, ``channel = (src_rank, dst_rank)`` on every SEND and RECV,
     and per-channel sequence numbers in the sender's program order (a RECV takes
-    the number of the SEND it matches). The result is then validated and
+    the number of the SEND it matches). torch's REDUCE_GRAD blocks, so each gets
+    its WAIT_REDUCE_GRAD right after it. The result is then validated and
     simulated like any lowered schedule: a torch list whose receives are out of
     FIFO order is refused, not run (see [Note: receives in FIFO order]).
     """
     for r, acts in enumerate(sched.ranks):
         for a in acts:
-            if a.kind is K.LOCAL or (a.kind in (K.SEND, K.RECV) and a.seq is not None):
+            if a.kind in (K.LOCAL, K.WAIT_REDUCE_GRAD) or (
+                a.kind in (K.SEND, K.RECV) and a.seq is not None
+            ):
                 raise ScheduleValidationError(
                     f"rank {r}: {a} already has cadence's fields (LOCAL or #seq); "
                     "complete_comms takes torch's lowered format, and a cadence lowered "
@@ -179,6 +208,9 @@ def complete_comms(sched: Schedule) -> Schedule:
                 a = replace(a, channel=ch, seq=seq[ch])
                 seq[ch] += 1
             row.append(a)
+            if a.kind is K.REDUCE_GRAD:
+                # torch's REDUCE_GRAD blocks until the reduction is done: issue + wait.
+                row.append(Action(K.WAIT_REDUCE_GRAD, a.stage))
             for src, dst, payload, mb in outputs_of(a, n) if a.is_compute else ():
                 if place[dst] == r:
                     row.append(Action(K.LOCAL, src, mb, peer_stage=dst, payload=payload))
@@ -219,57 +251,95 @@ def _src_rank(sched: Schedule, a: Action) -> int:
     return sched.placement[a.peer_stage] if a.peer_stage is not None else -1
 
 
-def add_reduce_grad(sched: Schedule) -> Schedule:
-    """REDUCE_GRAD(stage) right after the stage's last B or W on its rank.
+def order_comms(sched: Schedule) -> Schedule:
+    """Post every rank's SENDs and RECVs in one global message order.
 
-    See [Note: deferred gradient reduction].
+    Takes `add_comms`' output; see [Note: one global message order].
     """
-    out = []
-    for acts in sched.ranks:
-        last: dict[int, int] = {}
-        for i, a in enumerate(acts):
-            for c in a.compute_parts():
-                if c.kind in (K.B, K.W):
-                    last[c.stage] = i
-        new: list[Action] = []
-        for i, a in enumerate(acts):
-            new.append(a)
-            new.extend(Action(K.REDUCE_GRAD, s) for s in sorted(last) if last[s] == i)
-        out.append(new)
-    return sched.with_ranks(out)
+    if not sched.meta.lowered:
+        raise ScheduleValidationError("order_comms takes a lowered schedule (run add_comms first)")
+    n = sched.num_stages
+    times = compute_times(sched, {K.F: 1, K.I: 1, K.W: 1, K.B: 2})
+    ready: dict[tuple, float] = {}  # message -> the end of its producer
+    for r, acts in enumerate(sched.ranks):
+        for a, (_, end) in zip((a for a in acts if a.is_compute), times[r], strict=True):
+            for edge in outputs_of(a, n):
+                ready[edge] = end
 
+    def order(a: Action) -> tuple:
+        src, dst = (a.peer_stage, a.stage) if a.kind is K.RECV else (a.stage, a.peer_stage)
+        t = ready[(src, dst, a.payload, a.mb)]
+        return (t, src, dst, a.payload.value, a.mb, a.slot)  # type: ignore[union-attr]
 
-def add_wait_reduce(sched: Schedule) -> Schedule:
-    """WAIT_REDUCE_GRAD(stage) just before the next local REDUCE_GRAD, or at the end.
-
-    See [Note: deferred gradient reduction].
-    """
-    out = []
-    for acts in sched.ranks:
-        new: list[Action] = []
-        pending: int | None = None
+    rows: list[list[Action]] = []
+    for r, acts in enumerate(sched.ranks):
+        ends = [end for _, end in times[r]]
+        # gaps[j]: the transfers posted after the rank's j-th compute (0: before any).
+        gaps: list[list[Action]] = [[] for _ in range(len(ends) + 1)]
         for a in acts:
-            if a.kind is K.REDUCE_GRAD:
-                if pending is not None:
-                    new.append(Action(K.WAIT_REDUCE_GRAD, pending))
-                pending = a.stage
-            new.append(a)
-        if pending is not None:
-            new.append(Action(K.WAIT_REDUCE_GRAD, pending))
-        out.append(new)
-    return sched.with_ranks(out)
+            if a.kind in (K.SEND, K.RECV):
+                gaps[bisect_right(ends, order(a)[0])].append(a)
+        row = sorted(gaps[0], key=order)
+        j = 0
+        for a in acts:
+            if a.kind in (K.SEND, K.RECV):
+                continue
+            if a.is_compute:
+                j += 1
+                row.append(a)
+                row.extend(sorted(gaps[j], key=order))
+            else:
+                # LOCAL and markers stay right after the compute they followed.
+                row.insert(len(row) - len(gaps[j]), a)
+        rows.append(row)
+    return _renumber(sched.with_ranks(rows))
+
+
+def _renumber(sched: Schedule) -> Schedule:
+    """Sequence numbers again, in each sender's (new) program order."""
+    seq: Counter[Channel] = Counter()
+    numbered: dict[tuple, int] = {}
+    for acts in sched.ranks:
+        for a in acts:
+            if a.kind is K.SEND:
+                numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)] = seq[a.channel]  # type: ignore[index]
+                seq[a.channel] += 1  # type: ignore[index]
+    rows = [
+        [
+            replace(a, seq=numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)])
+            if a.kind is K.SEND
+            else replace(a, seq=numbered[(a.peer_stage, a.stage, a.payload, a.mb, a.slot)])
+            if a.kind is K.RECV
+            else a
+            for a in acts
+        ]
+        for acts in sched.ranks
+    ]
+    return sched.with_ranks(rows)
 
 
 def lower(
-    sched: Schedule, *, reduce_grad: bool = True, parity: bool = True, repair: bool = True
+    sched: Schedule,
+    *,
+    reduce_grad: bool = True,
+    max_outstanding_reductions: int = 1,
+    unshard_lookahead: int | None = None,
 ) -> Schedule:
-    """Compute-only -> the lowered schedule the runtime executes (see the module docstring)."""
-    low = add_comms(sched)
-    if parity:
-        low = apply_parity_rule(low)
-    if repair:
-        low = repair_deadlocks(low)
+    """Compute-only -> the lowered schedule the runtime executes (see the module docstring).
+
+    Args:
+        reduce_grad: add REDUCE_GRAD / WAIT_REDUCE_GRAD (False: a schedule for an
+            accumulation step, which reduces nothing).
+        max_outstanding_reductions: K, the reductions a rank keeps in flight
+            before it waits for the oldest (`add_wait_reduce`).
+        unshard_lookahead: if given, add UNSHARD / RESHARD per stage with this
+            prefetch distance in compute actions (`add_unshard_reshard`); None
+            leaves parameter residency to the stage wrappers.
+    """
+    low = order_comms(add_comms(sched))
     if reduce_grad:
-        low = add_wait_reduce(add_reduce_grad(low))
+        low = add_wait_reduce(add_reduce_grad(low), max_outstanding=max_outstanding_reductions)
+    if unshard_lookahead is not None:
+        low = add_unshard_reshard(low, lookahead=unshard_lookahead)
     validate_lowered(low)
     return low

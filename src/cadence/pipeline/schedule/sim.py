@@ -33,12 +33,18 @@ simulator, so it lives here and the passes import it (passes -> sim, one way).
   (rank -[action, channel, seq]-> rank) and the first blocked action per rank.
 - Bubble fraction (``bubble``) = idle / (p x makespan), start/end stagger
   included; ``bubble_in_span`` = idle inside each rank's first-start..last-end.
+- Memory (`MemoryModel`): a rank holds its live chunk activations (an F adds one,
+  a B or W frees one) plus the parameters of its resident stages. A stage whose
+  schedule has an UNSHARD is resident from its UNSHARD to its RESHARD, and a
+  compute of it outside that window is refused; a stage without one (replicated,
+  or gathered on demand by its wrapper) counts as always resident.
+  ``peak_memory`` is the per-rank peak of the sum, ``peak_reductions`` the most
+  REDUCE_GRADs a rank had issued and not yet waited for.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cadence.errors import CadenceError
@@ -49,11 +55,13 @@ from cadence.pipeline.schedule.ir import (
     Schedule,
     ScheduleValidationError,
 )
+from cadence.pipeline.schedule.sim_model import MemoryModel, SimResult, TimeModel
 from cadence.pipeline.schedule.validate import inputs_of, outputs_of, validate_lowered
 
 __all__ = [
     "ChannelMode",
     "FifoMismatchError",
+    "MemoryModel",
     "ScheduleDeadlockError",
     "SimResult",
     "TimeModel",
@@ -79,73 +87,6 @@ class ScheduleDeadlockError(CadenceError, RuntimeError):
         super().__init__(message)
         self.cycle = cycle
         self.blocked = blocked
-
-
-@dataclass(frozen=True)
-class TimeModel:
-    """Per-kind durations of a *full* stage (divided by v per chunk if
-    ``scale_by_chunks``), and comm cost alpha + bytes / beta per message."""
-
-    f: float = 1.0
-    i: float = 1.0
-    w: float = 1.0
-    b: float | None = None  # full backward; default i + w
-    scale_by_chunks: bool = True
-    alpha: float = 0.0
-    beta: float = math.inf
-    message_bytes: float = 0.0
-    start_delay: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("f", "i", "w", "alpha"):
-            if getattr(self, name) < 0:
-                raise ScheduleValidationError(f"TimeModel.{name} must be >= 0")
-        if self.beta <= 0:
-            raise ScheduleValidationError("TimeModel.beta (bytes per time unit) must be > 0")
-
-    def duration(self, a: Action, v: int) -> float:
-        base = {
-            K.F: self.f,
-            K.I: self.i,
-            K.W: self.w,
-            K.B: self.b if self.b is not None else self.i + self.w,
-        }
-        total = sum(base[c.kind] for c in a.compute_parts())
-        return total / v if self.scale_by_chunks else total
-
-    def comm(self) -> float:
-        return self.alpha + (self.message_bytes / self.beta if self.message_bytes else 0.0)
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """What a simulation found. Times are in `TimeModel` units."""
-
-    makespan: float
-    busy: tuple[float, ...]
-    span: tuple[float, ...]
-    bubble: float  # idle / (p * makespan)
-    bubble_in_span: float  # idle / sum of each rank's busy span
-    peak_inflight: tuple[int, ...]  # chunk activations alive at once, per rank
-    mode: str
-    send: str
-    events: tuple[tuple[int, str, float, float], ...] = field(
-        repr=False, default=()
-    )  # rank, action, start, end
-    flows: tuple[tuple[int, int, float, float, str], ...] = field(
-        repr=False, default=()
-    )  # src, dst, t_send, t_recv, label
-
-    def summary(self) -> str:
-        lines = [
-            f"makespan {self.makespan:g}, bubble {self.bubble:.4f} (idle / (p x makespan)), "
-            f"bubble within rank spans {self.bubble_in_span:.4f}"
-        ]
-        for r, (b, pk) in enumerate(zip(self.busy, self.peak_inflight, strict=True)):
-            lines.append(
-                f"  rank {r}: busy {b:g}, idle {self.makespan - b:g}, peak in-flight activations {pk}"
-            )
-        return "\n".join(lines)
 
 
 class _Op:
@@ -179,7 +120,14 @@ def _label(src: int, dst: int, payload: Payload, mb: int) -> str:
 
 class _Sim:
     def __init__(
-        self, sched: Schedule, mode: str, send: str, eager: int, serialize: bool, time: TimeModel
+        self,
+        sched: Schedule,
+        mode: str,
+        send: str,
+        eager: int,
+        serialize: bool,
+        time: TimeModel,
+        memory: MemoryModel | None = None,
     ) -> None:
         if mode not in _MODES:
             raise ScheduleValidationError(f"mode must be one of {_MODES}, got {mode!r}")
@@ -200,6 +148,7 @@ class _Sim:
         self.sends: dict[tuple[int, int], list[_Op]] = {}
         self.recvs: dict[tuple[int, int], list[_Op]] = {}
         self.queues: dict[tuple[int, Any], list[_Op]] = {}
+        self.heads: dict[tuple[int, Any], tuple[int, float]] = {}
         self.matched: dict[tuple[int, int], int] = {}
         self.avail: dict[tuple[int, tuple], float] = {}  # (rank, input key) -> time available
         self.recv_of: dict[tuple[int, tuple], _Op] = {}
@@ -212,6 +161,13 @@ class _Sim:
         self.peak = [0] * self.p
         self.events: list[tuple[int, str, float, float]] = []
         self.flows: list[tuple[int, int, float, float, str]] = []
+        self.mem = memory or MemoryModel()
+        gathered = {a.stage for acts in sched.ranks for a in acts if a.kind is K.UNSHARD}
+        # Stages without an UNSHARD are resident throughout; the others from UNSHARD on.
+        self.resident: list[set[int]] = [set(sched.stages_of(r)) - gathered for r in range(self.p)]
+        self.peak_mem = [0.0] * self.p
+        self.reducing = [0] * self.p
+        self.peak_red = [0] * self.p
 
     def _group(self, a: Action, ch: tuple[int, int]) -> Any:
         if self.mode == "shared":
@@ -232,14 +188,15 @@ class _Sim:
         time the communicator is free for ``op`` (serialisation model)."""
         if not self.serialize:
             return 0.0
-        free = 0.0
-        for o in self.queues[(op.rank, op.group)]:
-            if o is op:
-                return free
-            if o.done is None:
-                return None
-            free = max(free, o.done)
-        return free
+        # Ops of a serialised queue complete in issue order, so a cursor past the
+        # finished prefix (and the latest finish in it) answers in amortised O(1).
+        q = (op.rank, op.group)
+        queue, (head, free) = self.queues[q], self.heads.get(q, (0, 0.0))
+        while head < len(queue) and queue[head] is not op and queue[head].done is not None:
+            free = max(free, queue[head].done)  # type: ignore[type-var]
+            head += 1
+        self.heads[q] = (head, free)
+        return free if head < len(queue) and queue[head] is op else None
 
     def _match(self) -> bool:
         progress = False
@@ -329,6 +286,12 @@ class _Sim:
             self.pc[r] += 1
             return True
         if a.is_compute:
+            for c in a.compute_parts():
+                if c.stage not in self.resident[r]:
+                    raise ScheduleValidationError(
+                        f"rank {r}, action {i} ({c}): stage {c.stage}'s parameters are not "
+                        "gathered here (no UNSHARD before it, or RESHARD already ran)"
+                    )
             start = self.t[r]
             for key in inputs_of(a, self.n):
                 if (r, key) in self.avail:
@@ -353,11 +316,26 @@ class _Sim:
             for key in outputs_of(a, self.n):
                 self.produced[key] = end
             self.events.append((r, str(a), start, end))
+            self._account(r)
             self.pc[r] += 1
             return True
-        # REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD: zero-time markers here.
+        # REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD: zero-time markers for time.
+        if a.kind is K.UNSHARD:
+            self.resident[r].add(a.stage)
+        elif a.kind is K.RESHARD:
+            self.resident[r].discard(a.stage)
+        elif a.kind is K.REDUCE_GRAD:
+            self.reducing[r] += 1
+            self.peak_red[r] = max(self.peak_red[r], self.reducing[r])
+        elif a.kind is K.WAIT_REDUCE_GRAD:
+            self.reducing[r] -= 1
+        self._account(r)
         self.pc[r] += 1
         return True
+
+    def _account(self, r: int) -> None:
+        mem = self.live[r] * self.mem.activation + len(self.resident[r]) * self.mem.parameters
+        self.peak_mem[r] = max(self.peak_mem[r], mem)
 
     def _rank_sends(self, r: int) -> list[_Op]:
         return [o for ops in self.sends.values() for o in ops if o.rank == r]
@@ -478,6 +456,8 @@ class _Sim:
             send=self.send if self.send == "rendezvous" else f"eager({self.eager})",
             events=tuple(self.events),
             flows=tuple(self.flows),
+            peak_memory=tuple(self.peak_mem),
+            peak_reductions=tuple(self.peak_red),
         )
 
 
@@ -489,9 +469,10 @@ def simulate(
     eager: int = 1,
     serialize: bool = False,
     time: TimeModel | None = None,
+    memory: MemoryModel | None = None,
 ) -> SimResult:
     """Simulate a lowered schedule; raise on deadlock or FIFO mismatch."""
-    sim = _Sim(sched, mode, send, eager, serialize, time or TimeModel())
+    sim = _Sim(sched, mode, send, eager, serialize, time or TimeModel(), memory)
     sim.run()
     return sim.result()
 

@@ -6,6 +6,14 @@
 passes (``passes.py``) and the simulator (``sim.py``) build on this module; it
 imports nothing but the IR, so both can use it without importing each other.
 
+[Note: reduction rules]
+A lowered schedule either reduces every stage's gradients or none (an
+accumulation step, lowered with ``reduce_grad=False``). Where it does, each stage
+has exactly one REDUCE_GRAD, on its own rank, after its last B or W (before that
+its gradients are not final), and exactly one WAIT_REDUCE_GRAD after it in the
+same step: a missing wait would leave a reduction in flight into the optimizer
+step, a duplicate one or a second issue has no meaning.
+
 [Note: the dataflow of a compute action]
 F of stage s consumes the activation of stage s-1 (nothing on stage 0) and
 produces its own for stage s+1. B and I of stage s consume the gradient that
@@ -28,7 +36,14 @@ from cadence.pipeline.schedule.ir import (
     ScheduleValidationError,
 )
 
-__all__ = ["inputs_of", "outputs_of", "validate_compute", "validate_lowered"]
+__all__ = [
+    "inputs_of",
+    "outputs_of",
+    "validate_compute",
+    "validate_lowered",
+    "validate_reductions",
+    "validate_residency",
+]
 
 K = ActionKind
 _COMM = (K.SEND, K.RECV, K.LOCAL, K.WAIT_SEND)
@@ -43,7 +58,15 @@ def _err(msg: str) -> ScheduleValidationError:
 
 
 def inputs_of(a: Action, n_stages: int) -> list[Edge]:
-    """The edges a compute action consumes; see [Note: the dataflow of a compute action]."""
+    """The edges a compute action consumes; see [Note: reduction rules]
+    A lowered schedule either reduces every stage's gradients or none (an
+    accumulation step, lowered with ``reduce_grad=False``). Where it does, each stage
+    has exactly one REDUCE_GRAD, on its own rank, after its last B or W (before that
+    its gradients are not final), and exactly one WAIT_REDUCE_GRAD after it in the
+    same step: a missing wait would leave a reduction in flight into the optimizer
+    step, a duplicate one or a second issue has no meaning.
+
+    [Note: the dataflow of a compute action]."""
     out = []
     for c in a.compute_parts():
         assert c.mb is not None
@@ -55,7 +78,15 @@ def inputs_of(a: Action, n_stages: int) -> list[Edge]:
 
 
 def outputs_of(a: Action, n_stages: int) -> list[Edge]:
-    """The edges a compute action produces; see [Note: the dataflow of a compute action]."""
+    """The edges a compute action produces; see [Note: reduction rules]
+    A lowered schedule either reduces every stage's gradients or none (an
+    accumulation step, lowered with ``reduce_grad=False``). Where it does, each stage
+    has exactly one REDUCE_GRAD, on its own rank, after its last B or W (before that
+    its gradients are not final), and exactly one WAIT_REDUCE_GRAD after it in the
+    same step: a missing wait would leave a reduction in flight into the optimizer
+    step, a duplicate one or a second issue has no meaning.
+
+    [Note: the dataflow of a compute action]."""
     out = []
     for c in a.compute_parts():
         assert c.mb is not None
@@ -125,15 +156,18 @@ def validate_compute(sched: Schedule, m: int | None = None) -> None:
 
 
 def validate_lowered(sched: Schedule) -> None:
-    """Check the lowered rules: pairing of SEND/RECV, consumption, LOCAL, waits."""
+    """Check the lowered rules: pairing of SEND/RECV, consumption, LOCAL, waits,
+    gradient reductions (`validate_reductions`), parameter residency
+    (`validate_residency`)."""
     validate_compute(sched)
+    validate_reductions(sched)
+    validate_residency(sched)
     n = sched.num_stages
     sends: dict[tuple, tuple[int, int, Action]] = {}
     recvs: dict[tuple, tuple[int, int, Action]] = {}
     for r, acts in enumerate(sched.ranks):
         have: set[tuple] = set()  # inputs provided by an earlier RECV/LOCAL
         produced: set[tuple] = set()
-        issued_reduce: set[int] = set()
         for i, a in enumerate(acts):
             where = f"rank {r}, action {i} ({a})"
             if a.kind in _COMM:
@@ -183,14 +217,6 @@ def validate_lowered(sched: Schedule) -> None:
                         )
                     have.discard((*key, 0))
                 produced.update(outputs_of(a, n))
-            elif a.kind is K.REDUCE_GRAD:
-                issued_reduce.add(a.stage)
-            elif a.kind is K.WAIT_REDUCE_GRAD:
-                if a.stage not in issued_reduce:
-                    raise _err(
-                        f"{where}: WAIT_REDUCE_GRAD for stage {a.stage} before its REDUCE_GRAD"
-                    )
-                issued_reduce.discard(a.stage)
         for key in sorted(have, key=str):
             src, dst, payload, mb, _ = key
             raise _err(
@@ -207,3 +233,107 @@ def validate_lowered(sched: Schedule) -> None:
             raise _err(
                 f"rank {r}, action {i} ({a}): SEND without a matching RECV on rank {sched.placement[key[1]]}"
             )
+
+
+def validate_reductions(sched: Schedule) -> None:
+    """The REDUCE_GRAD / WAIT_REDUCE_GRAD rules; see [Note: reduction rules]."""
+    issued_any: dict[int, int] = {}  # stage -> rank, for stages with a REDUCE_GRAD
+    for r, acts in enumerate(sched.ranks):
+        last_grad: dict[int, int] = {}  # stage -> index of its last B or W here
+        for i, a in enumerate(acts):
+            for c in a.compute_parts():
+                if c.kind in (K.B, K.W):
+                    last_grad[c.stage] = i
+        issued: dict[int, int] = {}  # stage -> index of its REDUCE_GRAD
+        waited: dict[int, int] = {}
+        for i, a in enumerate(acts):
+            if a.kind not in (K.REDUCE_GRAD, K.WAIT_REDUCE_GRAD):
+                continue
+            where = f"rank {r}, action {i} ({a})"
+            if sched.placement[a.stage] != r:
+                raise _err(
+                    f"{where}: stage {a.stage} lives on rank {sched.placement[a.stage]}; "
+                    "a stage's reduction runs on its own rank"
+                )
+            if a.kind is K.REDUCE_GRAD:
+                if a.stage in issued:
+                    raise _err(
+                        f"{where}: duplicate REDUCE_GRAD for stage {a.stage} (first at action "
+                        f"{issued[a.stage]}); a stage's gradients are reduced once per step"
+                    )
+                if i < last_grad.get(a.stage, -1):
+                    raise _err(
+                        f"{where}: REDUCE_GRAD for stage {a.stage} before its last backward "
+                        f"(action {last_grad[a.stage]}); its gradients are not final yet"
+                    )
+                issued[a.stage] = i
+            else:
+                if a.stage not in issued:
+                    raise _err(
+                        f"{where}: WAIT_REDUCE_GRAD for stage {a.stage} before its REDUCE_GRAD"
+                    )
+                if a.stage in waited:
+                    raise _err(
+                        f"{where}: duplicate WAIT_REDUCE_GRAD for stage {a.stage} (first at "
+                        f"action {waited[a.stage]})"
+                    )
+                waited[a.stage] = i
+        for s, i in sorted(issued.items()):
+            if s not in waited:
+                raise _err(
+                    f"rank {r}, action {i} ({acts[i]}): missing WAIT_REDUCE_GRAD for stage {s}; "
+                    "a reduction issued in a step is waited for in the same step"
+                )
+        issued_any.update(dict.fromkeys(issued, r))
+    missing = [s for s in range(sched.num_stages) if s not in issued_any]
+    if issued_any and missing:
+        raise _err(
+            f"missing REDUCE_GRAD for stage(s) {missing} (on rank(s) "
+            f"{sorted({sched.placement[s] for s in missing})}), while stage(s) "
+            f"{sorted(issued_any)} have one: every stage reduces once per step, or none "
+            "does (lower(..., reduce_grad=False))"
+        )
+
+
+def validate_residency(sched: Schedule) -> None:
+    """The UNSHARD / RESHARD rules: where a schedule has any, every stage has one
+    UNSHARD before its first compute and one RESHARD after its last, on its rank."""
+    kinds = (K.UNSHARD, K.RESHARD)
+    if not any(a.kind in kinds for acts in sched.ranks for a in acts):
+        return
+    for r, acts in enumerate(sched.ranks):
+        seen: dict[tuple[K, int], int] = {}
+        for i, a in enumerate(acts):
+            where = f"rank {r}, action {i} ({a})"
+            if a.kind in kinds:
+                if sched.placement[a.stage] != r:
+                    raise _err(
+                        f"{where}: stage {a.stage} lives on rank {sched.placement[a.stage]}; "
+                        "its parameters are gathered and freed there"
+                    )
+                if (a.kind, a.stage) in seen:
+                    raise _err(
+                        f"{where}: duplicate {a.kind.name} for stage {a.stage} (first at action "
+                        f"{seen[(a.kind, a.stage)]}); one gather and one free per step"
+                    )
+                if a.kind is K.RESHARD and (K.UNSHARD, a.stage) not in seen:
+                    raise _err(f"{where}: RESHARD of stage {a.stage} before its UNSHARD")
+                seen[(a.kind, a.stage)] = i
+            for c in a.compute_parts():
+                if (K.UNSHARD, c.stage) not in seen:
+                    raise _err(
+                        f"rank {r}, action {i} ({c}): stage {c.stage} computes before its "
+                        "UNSHARD (its parameters are still sharded)"
+                    )
+                if (K.RESHARD, c.stage) in seen:
+                    raise _err(
+                        f"rank {r}, action {i} ({c}): stage {c.stage} computes after its "
+                        f"RESHARD (action {seen[(K.RESHARD, c.stage)]}); reshard after the last use"
+                    )
+        for s in sched.stages_of(r):
+            for kind in kinds:
+                if (kind, s) not in seen:
+                    raise _err(
+                        f"rank {r}: missing {kind.name} for stage {s}; with UNSHARD/RESHARD in a "
+                        "schedule every stage has one of each"
+                    )
