@@ -80,8 +80,11 @@ class PipelineRuntime:
         loss_reduction: ``"mean"`` (default, equal to one process on the full batch)
             or ``"sum"``; see `LossPolicy`.
         channel_mode: ``"per_directed_edge"`` (default) or ``"shared"``.
-        event_log: records every P2P with its channel (``event.group == "pp0->1"``)
-            and every LOCAL hand-off as a mark named ``"pp_local"``.
+        event_log: records every P2P with its channel (``event.group == "pp0->1"``),
+            every LOCAL hand-off as a mark named ``"pp_local"``, each finished compute
+            action as a mark ``"pp_compute"`` (``stage``, ``kind``, ``mb``), and
+            REDUCE_GRAD / WAIT_REDUCE_GRAD as ``"pp_reduce_grad"`` /
+            ``"pp_wait_reduce_grad"``, all in one order (``event.seq``).
     """
 
     def __init__(
@@ -132,7 +135,7 @@ class PipelineRuntime:
         # A local misuse is voted on with the plan (groups.py) rather than raised
         # here, so that the other ranks fail with it instead of hanging.
         self._sync = {s: StageGradSync(st.module) for s, st in self.stages.items()}
-        local_error = self._stage_mismatch() or self._split_backward_on_wrapped_stage()
+        local_error = self._stage_mismatch()
         self._last_backward = self._find_last_backwards()
         self._forward_actions = tuple(
             x for a in self.actions for x in (a.sub or (a,)) if _forward_only(x)
@@ -186,20 +189,6 @@ class PipelineRuntime:
             if st.num_stages != self.num_stages:
                 return f"{st} says num_stages={st.num_stages}, the schedule has {self.num_stages}"
         return None
-
-    def _split_backward_on_wrapped_stage(self) -> str | None:
-        # See [Note: W writes .grad directly] in grad_sync.py.
-        split = {c.stage for a in self.actions for c in a.compute_parts() if c.kind is K.W}
-        wrapped = sorted(s for s in split if s in self._sync and self._sync[s].timing is not None)
-        if not wrapped:
-            return None
-        kind = type(self.stages[wrapped[0]].module).__name__
-        return (
-            f"stages {wrapped} are wrapped in a data-parallel wrapper ({kind}), but the "
-            f"schedule ({self.schedule.meta.generator}) splits their backward into I and W; "
-            "W writes weight gradients the wrapper never reduces. Use a schedule with full "
-            "backwards (gpipe, 1f1b, interleaved, looped_bfs) for wrapped stages"
-        )
 
     def _channel(self, a: Action) -> tuple[int, int]:
         src, dst = (a.peer_stage, a.stage) if a.kind is K.RECV else (a.stage, a.peer_stage)
@@ -276,6 +265,9 @@ class PipelineRuntime:
         for i, a in enumerate(actions):
             try:
                 self._handlers[a.kind](a, i, st)
+                if self.event_log is not None and a.is_compute:
+                    for c in a.compute_parts():
+                        self.event_log.mark("pp_compute", stage=c.stage, kind=c.kind.name, mb=c.mb)
             except Exception as e:
                 for stage in self.stages.values():
                     stage.clear()
@@ -355,14 +347,19 @@ class PipelineRuntime:
             self._sync[a.stage].before_backward(self._last_backward.get(a.stage) == i)
             in_grads = stage.backward(mb, grads)
         else:  # I: the input half; the stage's last backward is its W
-            self._sync[a.stage].before_backward(False)
-            in_grads = stage.backward_input(mb, grads)
+            sync = self._sync[a.stage]
+            sync.before_backward(False)
+            with sync.split("input"):
+                in_grads = stage.backward_input(mb, grads)
         if in_grads is not None:
             st.grads[(a.stage, mb)] = in_grads
 
     def _backward_weight(self, a: Action, i: int, st: _StepState) -> None:
-        self._sync[a.stage].before_backward(self._last_backward.get(a.stage) == i)
-        self.stages[a.stage].backward_weight(a.mb)
+        # See [Note: split backwards drive the same reductions] in grad_sync.py.
+        sync = self._sync[a.stage]
+        sync.before_backward(self._last_backward.get(a.stage) == i)
+        with sync.split("weight"):
+            self.stages[a.stage].backward_weight(a.mb)
 
     def _overlap(self, a: Action, i: int, st: _StepState) -> None:
         # FB_OVERLAP: the sub-actions run in order (a fused kernel would go here).

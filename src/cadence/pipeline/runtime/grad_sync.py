@@ -23,20 +23,20 @@ changes.) The verbs, in the order a step uses them:
 Scaling is not done here: the loss is scaled once before backward (see
 ``microbatch.py``), so reduced gradients need no further division by ``m``.
 
-[Note: W writes .grad directly]
-The split backward's W step computes weight gradients with ``autograd.grad`` and
-assigns ``param.grad`` itself (stage.py, [Note: split backward]): the parameters'
-hooks never fire, so a wrapper that launches its reduction from gradient hooks
-sees nothing during W, and torch's split helpers also clash with the wrappers'
-gradient storage (DataParallel's bucket views, fully_shard's unsharded
-parameters), failing inside the first I or W. The runtime therefore refuses, on
-every rank before any group exists, a wrapped stage whose schedule has W actions
-(ZB-H1, ZBV, DualPipeV); B-only schedules (GPipe, 1F1B, interleaved, looped BFS)
-run real backwards, whose hooks the wrappers rely on.
+[Note: split backwards drive the same reductions]
+Zero-bubble schedules (ZB-H1, ZBV, DualPipeV) run a microbatch's backward as I
+(input gradients) and, later, W (weight gradients). The runtime runs each inside
+the wrapper's ``split_backward("input")`` / ``split_backward("weight")`` (see
+[Note: split backward parts] in ``cadence/_timing.py``), and W accumulates
+through the parameters' own AccumulateGrad nodes (``split_backward.py``), so W
+launches the same per-parameter reductions a full backward would: DataParallel
+buckets, fully_shard reduce-scatters per unit. The sync flag is True only for the
+stage's last W, which is therefore the one that reduces.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from cadence._timing import GradientTiming
@@ -68,6 +68,12 @@ class StageGradSync:
     def before_backward(self, is_last: bool) -> None:
         if self.timing is not None:
             self.timing.set_requires_gradient_sync(self._sync and is_last)
+
+    def split(self, part: str) -> AbstractContextManager[None]:
+        """The context one part (``"input"`` / ``"weight"``) of a split backward runs in."""
+        if self.timing is None:
+            return nullcontext()
+        return self.timing.split_backward(part)
 
     def reduce(self) -> None:
         """REDUCE_GRAD: issue the stage's reduction and keep its handle."""
