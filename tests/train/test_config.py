@@ -63,8 +63,6 @@ REFUSED = [
         dict(pp=2, schedule="interleaved", chunks=4),
         "--layers 4 gives fewer blocks than the 8 pipeline stages",
     ),
-    (dict(pp=2, nproc=4, schedule="zbv"), "dp=2 (DataParallel stages)"),
-    (dict(pp=2, fsdp=True, schedule="zb_h1"), "splits backward into I and W"),
 ]
 
 
@@ -81,6 +79,15 @@ def test_schedule_rules_come_from_the_generator() -> None:
         TrainConfig(
             pp=2, schedule="interleaved", microbatches=3, batch_size=6, model=GPTConfig(n_layers=4)
         )
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+@pytest.mark.parametrize(
+    "schedule", ["gpipe", "1f1b", "interleaved", "looped_bfs", "zb_h1", "zbv", "dualpipev"]
+)
+def test_every_schedule_takes_data_parallel_stages(schedule: str, fsdp: bool) -> None:
+    layout = TrainConfig(pp=2, nproc=4, fsdp=fsdp, schedule=schedule, batch_size=16).layout()
+    assert layout.dp == 2 and layout.wrapper == ("fully_shard" if fsdp else "DataParallel")
 
 
 def test_errors_are_value_errors() -> None:

@@ -25,7 +25,6 @@ from typing import Literal
 from cadence.errors import CadenceError
 from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule.generators import canonical_name, default_chunks, generate
-from cadence.pipeline.schedule.ir import ActionKind
 
 __all__ = ["Layout", "TrainConfig", "TrainConfigError"]
 
@@ -191,15 +190,6 @@ class TrainConfig:
                 "or more"
             )
         # The generator refuses (p, m, v) it cannot schedule, with the rule it breaks.
-        sched = generate(name, self.pp, m, v)
-        split = any(
-            c.kind is ActionKind.W for r in sched.ranks for a in r for c in a.compute_parts()
-        )
-        if wrapper != "none" and split:
-            why = "--fsdp" if wrapper == "fully_shard" else f"dp={dp} (DataParallel stages)"
-            raise TrainConfigError(
-                f"--schedule {name} splits backward into I and W, which data-parallel "
-                f"stages cannot take ({why}); use gpipe, 1f1b, interleaved or looped_bfs, "
-                "or run the pipeline without data parallelism"
-            )
+        # Every schedule takes data-parallel stages, split (I/W) backwards included.
+        generate(name, self.pp, m, v)
         return Layout(world, self.pp, dp, wrapper, name, m, v, cap)
