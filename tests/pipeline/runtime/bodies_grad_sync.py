@@ -135,3 +135,51 @@ def body_pp2_hsdp(grid: dict) -> dict:
     # shard group, then all-reduce over the replicas) with every shard whole.
     pg = cadence.init(cadence.Topology(dp_replicate=2, dp_shard=1, pp=2))
     return run_subtests(grid, pp_dp_case, pg)
+
+
+def placed_case(pg, name: str) -> dict:
+    """UNSHARD at the start of each rank's list and RESHARD at its end (hand-inserted):
+    one all-gather per stage per step, against one per forward when gathered on demand."""
+    from cadence.pipeline.schedule import Action, ActionKind, generate, lower
+
+    low = lower(generate(name, 2, M, 1))
+    placed = low.with_ranks(
+        [
+            [Action(ActionKind.UNSHARD, s) for s in low.stages_of(r)]
+            + list(acts)
+            + [Action(ActionKind.RESHARD, s) for s in low.stages_of(r)]
+            for r, acts in enumerate(low.ranks)
+        ]
+    )
+    out = {}
+    data = MarkovTokens(32, 8, seed=11)
+    (x, y) = data.batch(0, 4 * M)
+    rows = pg.local_slice(x.shape[0])
+    for label, sched in (("on_demand", low), ("placed", placed)):
+        log = EventLog()
+        chunks = _model(2).split_stages(2)
+        mine = low.stages_of(pg.pp_rank)
+        stages = {s: _wrap(chunks[s], "fully_shard", pg, log) for s in mine}
+        rt = build_pipeline(sched, stages, groups=pg, loss_fn=TinyGPT.loss, event_log=log)
+        rt.step(x[rows], target=y[rows])
+        for st in stages.values():
+            st.zero_grad()
+        log.clear()
+        rt.step(x[rows], target=y[rows])
+        out[f"{label}_all_gathers"] = log.count("all_gather")
+        got = {
+            f"{s}.{k}": p.grad.full_tensor() for s in mine for k, p in stages[s].named_parameters()
+        }
+        ref_chunks = _model(2).split_stages(2)
+        TinyGPT.loss(torch.nn.Sequential(*ref_chunks)(x), y).backward()
+        want = {f"{s}.{k}": p.grad for s in mine for k, p in ref_chunks[s].named_parameters()}
+        out[f"{label}_grad_diff"] = max_abs_diff(got, want)
+        out[f"{label}_unsharded_bytes_after"] = sum(
+            st.memory_stats()["unsharded_param_bytes"] for st in stages.values()
+        )
+    return out
+
+
+def body_placement(names: list[str]) -> dict:
+    pg = cadence.init(cadence.Topology(dp_shard=2, pp=2))
+    return run_subtests({"name": names}, placed_case, pg)

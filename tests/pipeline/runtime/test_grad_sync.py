@@ -15,7 +15,12 @@ from __future__ import annotations
 import pytest
 
 from cadence.testing import run_distributed
-from tests.pipeline.runtime.bodies_grad_sync import SCHEDULES, body_pp2_dp2, body_pp2_hsdp
+from tests.pipeline.runtime.bodies_grad_sync import (
+    SCHEDULES,
+    body_placement,
+    body_pp2_dp2,
+    body_pp2_hsdp,
+)
 
 TOL = 1e-5
 WRAPPERS = ["fully_shard", "data_parallel"]
@@ -63,3 +68,18 @@ def test_pp2_hsdp_split_backward_schedules():
     grid = {"wrapper": ["fully_shard"], "schedule": split}
     results = run_distributed(body_pp2_hsdp, grid, world_size=4, timeout=200)
     _check(results, len(split))
+
+
+@pytest.mark.slow
+def test_unshard_reshard_actions_gather_once_per_step():
+    """UNSHARD/RESHARD in the schedule (hand-inserted at the start and end of each
+    rank's list) replace on-demand gathering: one all-gather per stage per step
+    instead of one per forward, parameters kept unsharded through the last B or W
+    (split backwards included) and freed at RESHARD; gradients unchanged."""
+    results = run_distributed(body_placement, ["1f1b", "zb_h1"], world_size=4, timeout=200)
+    for rank, res in enumerate(results):
+        for case, r in res.items():
+            assert r["on_demand_all_gathers"] == 4, (rank, case, r)  # one per forward (m=4)
+            assert r["placed_all_gathers"] == 1, (rank, case, r)
+            assert r["placed_unsharded_bytes_after"] == 0, (rank, case, r)
+            assert r["placed_grad_diff"] <= 1e-6 and r["on_demand_grad_diff"] <= 1e-6, r

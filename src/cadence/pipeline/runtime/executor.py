@@ -137,6 +137,9 @@ class PipelineRuntime:
         self._sync = {s: StageGradSync(st.module) for s, st in self.stages.items()}
         local_error = self._stage_mismatch()
         self._last_backward = self._find_last_backwards()
+        for s in {a.stage for a in self.actions if a.kind in (K.UNSHARD, K.RESHARD)}:
+            if s in self._sync:
+                self._sync[s].take_placement()
         self._forward_actions = tuple(
             x for a in self.actions for x in (a.sub or (a,)) if _forward_only(x)
         )

@@ -104,20 +104,27 @@ class StageGradSync:
             self.reduce()
         self.wait()
 
+    def take_placement(self) -> None:
+        """The schedule has UNSHARD/RESHARD for this stage: it, not the wrapper's
+        reshard-after-forward/backward flags, decides when parameters are gathered."""
+        for m in self._module.modules():
+            for verb in ("set_reshard_after_forward", "set_reshard_after_backward"):
+                fn = getattr(m, verb, None)
+                if fn is not None:
+                    fn(False, recurse=False)
+
     def unshard(self) -> None:
+        """UNSHARD: issue the all-gather (async); the first use waits for it."""
         fn = getattr(self._module, "unshard", None)
         if fn is not None and self._unshard is None:
             self._unshard = fn(async_op=True)
 
-    def _wait_unshard(self) -> None:
-        if self._unshard is not None:
-            wait = getattr(self._unshard, "wait", None)
-            if wait is not None:
-                wait()
-            self._unshard = None
-
     def reshard(self) -> None:
-        self._wait_unshard()
-        fn = getattr(self._module, "reshard", None)
-        if fn is not None:
-            fn()
+        """RESHARD: free every unsharded parameter of the stage (nested units included)."""
+        if self._unshard is not None:
+            self._unshard.wait()
+            self._unshard = None
+        for m in self._module.modules():
+            fn = getattr(m, "reshard", None)
+            if fn is not None and isinstance(m, GradientTiming):
+                fn()
