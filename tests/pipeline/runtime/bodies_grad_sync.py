@@ -69,8 +69,9 @@ def _order(log: EventLog, mine: list[int]) -> dict:
     }
 
 
-def pp_dp_case(pg, wrapper: str, schedule: tuple[str, int]) -> dict:
-    """An accumulation step, then a syncing step; gradients against one process."""
+def pp_dp_case(pg, wrapper: str, schedule: tuple[str, int], k: int = 1) -> dict:
+    """An accumulation step, then a syncing step; gradients against one process.
+    ``k``: reductions allowed in flight per rank (``max_outstanding_reductions``)."""
     name, v = schedule
     n = 2 * v
     mine = sorted(s for s, r in placement_for(name, 2, v).items() if r == pg.pp_rank)
@@ -80,7 +81,14 @@ def pp_dp_case(pg, wrapper: str, schedule: tuple[str, int]) -> dict:
         chunks[s] = _wrap(chunks[s], wrapper, pg, log)
     reduce_kind = "all_reduce" if wrapper == "data_parallel" else "reduce_scatter"
     rt = build_pipeline(
-        name, chunks, n_microbatches=M, chunks=v, groups=pg, loss_fn=TinyGPT.loss, event_log=log
+        name,
+        chunks,
+        n_microbatches=M,
+        chunks=v,
+        groups=pg,
+        loss_fn=TinyGPT.loss,
+        event_log=log,
+        max_outstanding_reductions=k,
     )
     data = MarkovTokens(32, 8, seed=11)
     (xa, ya), (xb, yb) = data.batch(0, 4 * M), data.batch(1, 4 * M)
@@ -125,9 +133,9 @@ def pp_dp_case(pg, wrapper: str, schedule: tuple[str, int]) -> dict:
     return row
 
 
-def body_pp2_dp2(grid: dict) -> dict:
+def body_pp2_dp2(grid: dict, k_grid: dict) -> dict:
     pg = cadence.init(cadence.Topology(dp_shard=2, pp=2))
-    return run_subtests(grid, pp_dp_case, pg)
+    return {"k1": run_subtests(grid, pp_dp_case, pg), "k": run_subtests(k_grid, pp_dp_case, pg)}
 
 
 def body_pp2_hsdp(grid: dict) -> dict:

@@ -149,6 +149,8 @@ def misuse() -> dict[str, str]:
         "torch_source_schedule": _error(build(low, source="torch")),
         "torch_source_gpipe": _error(build("gpipe", n_microbatches=2, source="torch")),
         "bad_source": _error(build("gpipe", n_microbatches=2, source="jax")),
+        "k_zero": _error(build("gpipe", n_microbatches=2, max_outstanding_reductions=0)),
+        "k_lowered": _error(build(low, max_outstanding_reductions=2)),
         "stage_count": _error(lambda: build_pipeline("1f1b", chunks[:3], n_microbatches=2)),
         "missing_stage": _error(lambda: build_pipeline(low, {0: chunks[0]})),
         "bad_input_meta": _error(build(low, input_meta={9: TensorMeta((1,), torch.float32)})),

@@ -75,6 +75,8 @@ MISUSE = {
     "torch_source_schedule": "source='torch' selects torch's IR for a schedule *name*",
     "torch_source_gpipe": "torch runs it as a hand-written loop",
     "bad_source": "source='jax'; use 'cadence' or 'torch'",
+    "k_zero": "max_outstanding_reductions=0; use an int >= 1",
+    "k_lowered": "max_outstanding_reductions=2 places WAIT_REDUCE_GRAD while lowering",
     "stage_count": "got 3 stage modules, the schedule has 2 stages",
     "missing_stage": "stage_modules has no module for stages",
     "bad_input_meta": "input_meta names stages [9]",

@@ -44,7 +44,8 @@ A stage's gradients are final after its last B or W of the step, so REDUCE_GRAD
 other local stages still compute. WAIT_REDUCE_GRAD goes just before the next local
 REDUCE_GRAD, or at the end of the rank's list: at most one reduction per rank is
 in flight, which bounds the memory of reduction buffers, and each one overlaps the
-compute that follows it.
+compute that follows it. ``max_outstanding=K`` lets K be in flight (the oldest is
+waited when a (K+1)-th is issued; the rest at the end), trading buffers for overlap.
 """
 
 from __future__ import annotations
@@ -239,37 +240,51 @@ def add_reduce_grad(sched: Schedule) -> Schedule:
     return sched.with_ranks(out)
 
 
-def add_wait_reduce(sched: Schedule) -> Schedule:
-    """WAIT_REDUCE_GRAD(stage) just before the next local REDUCE_GRAD, or at the end.
+def add_wait_reduce(sched: Schedule, max_outstanding: int = 1) -> Schedule:
+    """WAIT_REDUCE_GRAD(stage) before the REDUCE_GRAD that would put more than
+    ``max_outstanding`` in flight (for the oldest), and at the end for the rest.
 
     See [Note: deferred gradient reduction].
     """
+    if max_outstanding < 1:
+        raise ScheduleValidationError(
+            f"max_outstanding={max_outstanding}: at least one reduction must be in flight "
+            "(1 waits each just before the next is issued)"
+        )
     out = []
     for acts in sched.ranks:
         new: list[Action] = []
-        pending: int | None = None
+        pending: list[int] = []
         for a in acts:
             if a.kind is K.REDUCE_GRAD:
-                if pending is not None:
-                    new.append(Action(K.WAIT_REDUCE_GRAD, pending))
-                pending = a.stage
+                while len(pending) >= max_outstanding:
+                    new.append(Action(K.WAIT_REDUCE_GRAD, pending.pop(0)))
+                pending.append(a.stage)
             new.append(a)
-        if pending is not None:
-            new.append(Action(K.WAIT_REDUCE_GRAD, pending))
+        new.extend(Action(K.WAIT_REDUCE_GRAD, s) for s in pending)
         out.append(new)
     return sched.with_ranks(out)
 
 
 def lower(
-    sched: Schedule, *, reduce_grad: bool = True, parity: bool = True, repair: bool = True
+    sched: Schedule,
+    *,
+    reduce_grad: bool = True,
+    parity: bool = True,
+    repair: bool = True,
+    max_outstanding: int = 1,
 ) -> Schedule:
-    """Compute-only -> the lowered schedule the runtime executes (see the module docstring)."""
+    """Compute-only -> the lowered schedule the runtime executes (see the module docstring).
+
+    ``max_outstanding``: data-parallel reductions in flight per rank (see [Note:
+    deferred gradient reduction]).
+    """
     low = add_comms(sched)
     if parity:
         low = apply_parity_rule(low)
     if repair:
         low = repair_deadlocks(low)
     if reduce_grad:
-        low = add_wait_reduce(add_reduce_grad(low))
+        low = add_wait_reduce(add_reduce_grad(low), max_outstanding)
     validate_lowered(low)
     return low
