@@ -151,6 +151,8 @@ def misuse() -> dict[str, str]:
         "bad_source": _error(build("gpipe", n_microbatches=2, source="jax")),
         "k_zero": _error(build("gpipe", n_microbatches=2, max_outstanding_reductions=0)),
         "k_lowered": _error(build(low, max_outstanding_reductions=2)),
+        "tie_one_stage": _error(build(low, tied_parameters=[[(0, "a"), (0, "b")]])),
+        "tie_no_param": _error(build(low, tied_parameters=[[(0, "nope"), (1, "nope")]])),
         "stage_count": _error(lambda: build_pipeline("1f1b", chunks[:3], n_microbatches=2)),
         "missing_stage": _error(lambda: build_pipeline(low, {0: chunks[0]})),
         "bad_input_meta": _error(build(low, input_meta={9: TensorMeta((1,), torch.float32)})),

@@ -78,10 +78,14 @@ def test_unshard_reshard_actions_gather_once_per_step():
     """UNSHARD/RESHARD in the schedule (hand-inserted at the start and end of each
     rank's list) replace on-demand gathering: one all-gather per stage per step
     instead of one per forward, parameters kept unsharded through the last B or W
-    (split backwards included) and freed at RESHARD; gradients unchanged."""
-    results = run_distributed(body_placement, ["1f1b", "zb_h1"], world_size=4, timeout=200)
+    (split backwards included) and freed at RESHARD; gradients unchanged. In the
+    same launch: fully_shard stages with a weight tied across stages."""
+    tied = [("1f1b", 1), ("zbv", 2)]
+    results = run_distributed(body_placement, ["1f1b", "zb_h1"], tied, world_size=4, timeout=200)
     for rank, res in enumerate(results):
-        for case, r in res.items():
+        for case, r in res["tied"].items():  # see test_boundaries.py, here sharded
+            assert r["grad_diff"] <= 1e-6 and r["tie_vs_ref"] <= 1e-6, (rank, case, r)
+        for case, r in res["placed"].items():
             assert r["on_demand_all_gathers"] == 4, (rank, case, r)  # one per forward (m=4)
             assert r["placed_all_gathers"] == 1, (rank, case, r)
             assert r["placed_unsharded_bytes_after"] == 0, (rank, case, r)

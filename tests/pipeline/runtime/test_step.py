@@ -77,6 +77,8 @@ MISUSE = {
     "bad_source": "source='jax'; use 'cadence' or 'torch'",
     "k_zero": "max_outstanding_reductions=0; use an int >= 1",
     "k_lowered": "max_outstanding_reductions=2 places WAIT_REDUCE_GRAD while lowering",
+    "tie_one_stage": "a tie names one parameter in each of two or more different stages",
+    "tie_no_param": "has no parameter 'nope'",
     "stage_count": "got 3 stage modules, the schedule has 2 stages",
     "missing_stage": "stage_modules has no module for stages",
     "bad_input_meta": "input_meta names stages [9]",

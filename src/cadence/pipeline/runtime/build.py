@@ -57,6 +57,7 @@ def build_pipeline(
     source: Literal["cadence", "torch"] = "cadence",
     device: torch.device | str | None = None,
     max_outstanding_reductions: int = 1,
+    tied_parameters: Sequence[Sequence[tuple[int, str]]] = (),
 ) -> PipelineRuntime:
     """Build this rank's pipeline runtime. Collective over the world (channel groups).
 
@@ -78,6 +79,7 @@ def build_pipeline(
         max_outstanding_reductions: data-parallel reductions in flight per rank
             (K): lowering waits the oldest when a (K+1)-th is issued, the rest at
             the end of the step. Only where this call lowers the schedule.
+        tied_parameters: parameters shared by several stages; see `PipelineRuntime`.
     """
     pp_ranks = list(groups.pp_ranks) if groups is not None else list(range(dist.get_world_size()))
     pp = len(pp_ranks)
@@ -121,6 +123,7 @@ def build_pipeline(
         loss_reduction=loss_reduction,
         channel_mode=channel_mode,
         event_log=event_log,
+        tied_parameters=tied_parameters,
     )
 
 

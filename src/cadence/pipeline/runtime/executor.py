@@ -49,6 +49,7 @@ from cadence.pipeline.runtime.microbatch import (
     split_microbatches,
 )
 from cadence.pipeline.runtime.stage import PipelineStage, TensorMeta
+from cadence.pipeline.runtime.tied import TiedParameters, TieSpec, check_ties, find_tied
 from cadence.pipeline.schedule.channels import RUNTIME_CHANNEL_MODES, channel_plan
 from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
 from cadence.pipeline.schedule.sim import verify
@@ -85,6 +86,10 @@ class PipelineRuntime:
             action as a mark ``"pp_compute"`` (``stage``, ``kind``, ``mb``), and
             REDUCE_GRAD / WAIT_REDUCE_GRAD as ``"pp_reduce_grad"`` /
             ``"pp_wait_reduce_grad"``, all in one order (``event.seq``).
+        tied_parameters: ties across stages, each ``[(stage, parameter name in that
+            stage's module), ...]``, e.g. ``[[(0, "embed.weight"), (3, "head.weight")]]``:
+            after a syncing step every copy holds the sum of the copies' gradients.
+            The same on every rank; see [Note: tied parameters across stages].
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class PipelineRuntime:
         loss_reduction: str = "mean",
         channel_mode: ChannelMode = "per_directed_edge",
         event_log: EventLog | None = None,
+        tied_parameters: Sequence[TieSpec] = (),
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise PipelineUsageError(
@@ -135,7 +141,14 @@ class PipelineRuntime:
         # A local misuse is voted on with the plan (groups.py) rather than raised
         # here, so that the other ranks fail with it instead of hanging.
         self._sync = {s: StageGradSync(st.module) for s, st in self.stages.items()}
-        local_error = self._stage_mismatch()
+        ties: tuple = ()
+        tie_error = None
+        try:
+            ties = check_ties(tied_parameters, self.num_stages)
+            tied = find_tied(ties, {s: st.module for s, st in self.stages.items()})
+        except PipelineUsageError as e:
+            tie_error, tied = str(e), {}
+        local_error = self._stage_mismatch() or tie_error
         self._last_backward = self._find_last_backwards()
         for s in {a.stage for a in self.actions if a.kind in (K.UNSHARD, K.RESHARD)}:
             if s in self._sync:
@@ -151,6 +164,11 @@ class PipelineRuntime:
             pp_group=groups.pp if groups is not None else None,
             event_log=event_log,
             local_error=local_error,
+            agree=("tied_parameters", ties),
+        )
+        # See [Note: tied parameters across stages] in tied.py.
+        self.tied = TiedParameters(
+            ties, tied, self.placement, self.channel_groups.all_pp_groups, event_log
         )
         # The per-action route, derived once from the placement (validate_lowered
         # checked any channel an action states against it): the communicator of the
@@ -283,6 +301,8 @@ class PipelineRuntime:
         if backward:
             for s in self._sync.values():
                 s.end_step()
+            if sync and self.tied:
+                self.tied.sum_grads()
         for stage in self.stages.values():
             stage.clear()
         if losses is not None and st.losses:
