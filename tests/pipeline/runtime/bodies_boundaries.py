@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cadence import EventLog
 from cadence.fsdp import fully_shard
 from cadence.models import MarkovTokens
 from cadence.pipeline.runtime import build_pipeline
@@ -74,12 +75,15 @@ def reference(n: int, x, y) -> dict[str, torch.Tensor]:
     return {f"{s}.{k}": p.grad for s, m in enumerate(mods) for k, p in m.named_parameters()}
 
 
-def case(name: str, v: int, pg=None, wrap: bool = False) -> dict:
+def case(
+    name: str, v: int, pg=None, wrap: bool = False, mode: str = "per_directed_edge", batch=False
+) -> dict:
     p = dist.get_world_size() // (1 if pg is None else pg.dp_size)
     n = p * v
     rank = dist.get_rank() if pg is None else pg.pp_rank
     mine = sorted(s for s, r in placement_for(name, p, v).items() if r == rank)
     mods = stages(n)
+    log = EventLog()
     if wrap:
         for s in mine:
             fully_shard(mods[s], group=pg)
@@ -91,11 +95,17 @@ def case(name: str, v: int, pg=None, wrap: bool = False) -> dict:
         groups=pg,
         loss_fn=loss_fn,
         tied_parameters=[[(0, "emb.weight"), (n - 1, "head")]],
+        channel_mode=mode,  # type: ignore[arg-type]
+        batch_p2p=batch,
+        event_log=log,
     )
     x, y = MarkovTokens(V, T, seed=2).batch(0, 4 * M)
     rows = slice(None) if pg is None else pg.local_slice(x.shape[0])
+    log.clear()
     rt.step(x[rows], target=y[rows])
     want = reference(n, x, y)
+    transfers = [a for a in rt.actions if a.kind.name in ("SEND", "RECV")]
+    p2p = [e for e in log.collectives() if e.kind in ("send", "recv")]
 
     def full(g):
         return g.full_tensor() if hasattr(g, "full_tensor") else g
@@ -110,8 +120,22 @@ def case(name: str, v: int, pg=None, wrap: bool = False) -> dict:
         ),
         "n_tied_here": len(tie),
         "local_tie": len({placement_for(name, p, v)[s] for s in (0, n - 1)}) == 1,
+        "transfers": len(transfers),
+        "p2p_ops": len(p2p),  # two tensors per boundary: two ops per transfer
+        "batches": rt.p2p_batches,
     }
 
 
-def body_world2(schedules: list[tuple[str, int]]) -> dict:
-    return run_subtests({"name_v": schedules}, lambda name_v: case(*name_v))
+def body_world2(schedules: list[tuple[str, int]], shared: list[tuple[str, int]]) -> dict:
+    def one(name_v, mode, batch):
+        return case(*name_v, mode=mode, batch=batch)
+
+    edge = "per_directed_edge"
+    batched = {"name_v": schedules, "mode": [edge], "batch": [True]}
+    single = {"name_v": [("1f1b", 1), ("zbv", 2)], "mode": [edge], "batch": [False]}
+    one_group = {"name_v": shared, "mode": ["shared"], "batch": [False, True]}
+    return {
+        **run_subtests(batched, one),
+        **run_subtests(single, one),
+        **run_subtests(one_group, one),
+    }

@@ -58,6 +58,7 @@ def build_pipeline(
     device: torch.device | str | None = None,
     max_outstanding_reductions: int = 1,
     tied_parameters: Sequence[Sequence[tuple[int, str]]] = (),
+    batch_p2p: bool = False,
 ) -> PipelineRuntime:
     """Build this rank's pipeline runtime. Collective over the world (channel groups).
 
@@ -80,6 +81,7 @@ def build_pipeline(
             (K): lowering waits the oldest when a (K+1)-th is issued, the rest at
             the end of the step. Only where this call lowers the schedule.
         tied_parameters: parameters shared by several stages; see `PipelineRuntime`.
+        batch_p2p: batch consecutive sends/receives; see `PipelineRuntime`.
     """
     pp_ranks = list(groups.pp_ranks) if groups is not None else list(range(dist.get_world_size()))
     pp = len(pp_ranks)
@@ -124,6 +126,7 @@ def build_pipeline(
         channel_mode=channel_mode,
         event_log=event_log,
         tied_parameters=tied_parameters,
+        batch_p2p=batch_p2p,
     )
 
 

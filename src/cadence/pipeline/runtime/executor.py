@@ -17,6 +17,18 @@ Sends are waited at their WAIT_SEND or at the end of the step (their buffers are
 kept alive until then); receives are waited just before the compute that
 consumes them.
 
+[Note: batched P2P]
+With ``batch_p2p=True`` each run of consecutive SEND/RECV actions is posted at
+its first action, as one ``batch_isend_irecv`` per communicator (NCCL posts a
+batch as one group, which also lets a send and a receive with the same peer in
+the shared channel mode progress together). Nothing moves across a compute
+action, and within each communicator the ops keep program order (one op per
+tensor of a multi-tensor boundary), so the FIFO pairing that `verify` proved is
+unchanged: the receiver's buffers and the sender's works end up where the
+single-op handlers would have put them. With per-edge channels a batch holds the
+ops of one directed edge (torch requires one group per batch), so on gloo, which
+does not coalesce, it is the same ops issued the same way.
+
 [Note: the executor trusts the verified lists]
 The runtime executes exactly the action lists that `verify` accepted, so the
 properties the simulator proves are not re-checked per action: every RECV has its
@@ -90,6 +102,8 @@ class PipelineRuntime:
             stage's module), ...]``, e.g. ``[[(0, "embed.weight"), (3, "head.weight")]]``:
             after a syncing step every copy holds the sum of the copies' gradients.
             The same on every rank; see [Note: tied parameters across stages].
+        batch_p2p: post each run of consecutive SEND/RECV actions as one
+            ``batch_isend_irecv`` per communicator; see [Note: batched P2P].
     """
 
     def __init__(
@@ -103,6 +117,7 @@ class PipelineRuntime:
         channel_mode: ChannelMode = "per_directed_edge",
         event_log: EventLog | None = None,
         tied_parameters: Sequence[TieSpec] = (),
+        batch_p2p: bool = False,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise PipelineUsageError(
@@ -195,6 +210,13 @@ class PipelineRuntime:
         }
         self._meta_ready = False
         self.local_handoffs = 0  # lifetime count of LOCAL hand-offs (tests read it)
+        self.batch_p2p = bool(batch_p2p)
+        self.p2p_batches = 0  # lifetime count of batch_isend_irecv calls (tests read it)
+        self._p2p_runs = (
+            {id(acts): _p2p_runs(acts) for acts in (self.actions, self._forward_actions)}
+            if self.batch_p2p
+            else {}
+        )
 
     # -- validation -----------------------------------------------------------
 
@@ -283,8 +305,14 @@ class PipelineRuntime:
         st = _StepState(mbs, targets, backward)
         for s in self._sync.values():
             s.begin_step(sync and backward)
+        runs = self._p2p_runs.get(id(actions), {})
         for i, a in enumerate(actions):
             try:
+                run = runs.get(i)
+                if run is not None:  # batched P2P: posted with the run's first action
+                    if run:
+                        self._post_batch(run, st)
+                    continue
                 self._handlers[a.kind](a, i, st)
                 if self.event_log is not None and a.is_compute:
                     for c in a.compute_parts():
@@ -405,6 +433,30 @@ class PipelineRuntime:
         works = [comm.irecv(b, peer) for b in bufs]
         st.recvs.setdefault((a.stage, a.mb, grad), []).append((bufs, works))  # type: ignore[arg-type]
 
+    def _post_batch(self, run: tuple[Action, ...], st: _StepState) -> None:
+        # See [Note: batched P2P]: one batch per communicator, each in action order.
+        ops: dict[int, tuple[Comm, list]] = {}
+        for a in run:
+            comm, peer = self._route[a]
+            batch = ops.setdefault(id(comm.group), (comm, []))[1]
+            if a.kind is K.SEND:
+                tensors = (st.grads if a.payload is Payload.GRAD else st.acts).pop((a.stage, a.mb))
+                batch.append((a, [("send", t.contiguous(), peer) for t in tensors]))
+            else:
+                stage = self.stages[a.stage]
+                bufs = stage.grad_buffers() if a.payload is Payload.GRAD else stage.input_buffers()
+                batch.append((a, [("recv", b, peer) for b in bufs]))
+        for comm, items in ops.values():
+            works = iter(comm.batch_isend_irecv([op for _, part in items for op in part]))
+            self.p2p_batches += 1
+            for a, part in items:
+                mine = [next(works) for _ in part]
+                if a.kind is K.SEND:
+                    st.sends[_send_key(a)] = mine
+                else:
+                    key = (a.stage, a.mb, a.payload is Payload.GRAD)
+                    st.recvs.setdefault(key, []).append((tuple(t for _, t, _ in part), mine))
+
     def _local(self, a: Action, i: int, st: _StepState) -> None:
         # LOCAL: stage -> peer_stage on this rank, no P2P (the V turn, or looped
         # placements with several consecutive stages on one rank).
@@ -486,6 +538,23 @@ def _forward_only(a: Action) -> bool:
     if a.kind in _TRANSFERS:
         return a.payload is Payload.ACT
     return a.kind in _FORWARD_KINDS
+
+
+def _p2p_runs(actions: Sequence[Action]) -> dict[int, tuple[Action, ...]]:
+    """Index of each run's first SEND/RECV -> the run; later members -> ()."""
+    runs: dict[int, tuple[Action, ...]] = {}
+    i = 0
+    while i < len(actions):
+        j = i
+        while j < len(actions) and actions[j].kind in (K.SEND, K.RECV):
+            j += 1
+        if j > i:
+            runs[i] = tuple(actions[i:j])
+            runs.update({k: () for k in range(i + 1, j)})
+            i = j
+        else:
+            i += 1
+    return runs
 
 
 def _send_key(a: Action) -> tuple:
