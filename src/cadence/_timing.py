@@ -25,29 +25,7 @@ Each verb means the same on every wrapper:
   of gradients accumulated with sync off is paid here once sync is on again).
   Blocking, it returns None; with ``async_op=True`` it always returns a
   `ReductionHandle`, already completed when nothing was pending, so callers
-  never test for None. Inside backward, see [Note: split backward parts]
-A zero-bubble schedule runs one microbatch's backward as two separate autograd
-calls (or more): I computes the gradients of the module's *inputs* and no
-parameter gradient; W, later, the parameter gradients (see
-``cadence/pipeline/runtime/split_backward.py``). Without help a wrapper would
-take each call for a whole backward: fully_shard would finish (and reshard) its
-units at the end of I, so W would find the parameters' storage freed; and
-DataParallel would arm a reduction window in I that no gradient ever fills.
-
-- ``split_backward("input")``: the backward inside produces no parameter
-  gradient. Units are unsharded as in any backward (the weight part needs them)
-  but not finished: no post-backward, no reshard, nothing reduced or
-  accumulated; DataParallel arms no window.
-- ``split_backward("weight")``: every autograd call inside together is the
-  parameter half of *one* backward. Each parameter's post-accumulate-grad hook
-  fires once, so reductions launch per bucket / per unit as soon as their
-  gradients are ready, exactly as in a full backward, following the same flags; fully_shard first re-gathers any
-  unit a forward resharded in between. At exit the backward ends as a full one
-  would (units whose hooks fired are finished, automatic mode finalizes).
-
-Raises inside a backward, and when parts nest.
-
-[Note: finalize inside backward].
+  never test for None. Inside backward, see [Note: finalize inside backward].
 - ``register_optimizer(opt)``: ``opt.step()`` raises while a handle is unwaited,
   while reductions a backward launched are not finalized, and after a failed
   backward until ``reset_iter_state()``.
@@ -79,9 +57,10 @@ DataParallel would arm a reduction window in I that no gradient ever fills.
 - ``split_backward("weight")``: every autograd call inside together is the
   parameter half of *one* backward. Each parameter's post-accumulate-grad hook
   fires once, so reductions launch per bucket / per unit as soon as their
-  gradients are ready, exactly as in a full backward, following the same flags; fully_shard first re-gathers any
-  unit a forward resharded in between. At exit the backward ends as a full one
-  would (units whose hooks fired are finished, automatic mode finalizes).
+  gradients are ready, exactly as in a full backward, following the same flags;
+  fully_shard first re-gathers any unit a forward resharded in between. At exit
+  the backward ends as a full one would (units whose hooks fired are finished,
+  automatic mode finalizes).
 
 Raises inside a backward, and when parts nest.
 

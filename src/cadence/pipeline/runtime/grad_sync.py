@@ -14,11 +14,15 @@ changes.) The verbs, in the order a step uses them:
 - ``set_requires_gradient_sync(flag)`` before every backward of the stage: True
   only for the stage's *last* gradient-producing backward (B or W) of the step,
   so earlier microbatches accumulate locally and the reduction runs once;
+- ``split_backward("input")`` / ``split_backward("weight")`` around I and W (see
+  [Note: split backwards drive the same reductions]);
 - ``finalize_backward(async_op=True)`` at REDUCE_GRAD: issue, keep the handle;
 - ``handle.wait()`` at WAIT_REDUCE_GRAD, just before the result is needed (or at
   the end of the step when the schedule has no wait action);
 - ``unshard(async_op=True)`` / ``reshard()`` at UNSHARD / RESHARD, if the wrapper
-  has them (fully_shard does, DataParallel does not need to).
+  has them (fully_shard does, DataParallel does not need to); a stage with these
+  actions has its ``set_reshard_after_forward/backward`` turned off at
+  construction, so the schedule alone decides when it is gathered.
 
 Scaling is not done here: the loss is scaled once before backward (see
 ``microbatch.py``), so reduced gradients need no further division by ``m``.
@@ -108,6 +112,8 @@ class StageGradSync:
         """The schedule has UNSHARD/RESHARD for this stage: it, not the wrapper's
         reshard-after-forward/backward flags, decides when parameters are gathered."""
         for m in self._module.modules():
+            if not isinstance(m, GradientTiming):
+                continue
             for verb in ("set_reshard_after_forward", "set_reshard_after_backward"):
                 fn = getattr(m, verb, None)
                 if fn is not None:
@@ -116,8 +122,11 @@ class StageGradSync:
     def unshard(self) -> None:
         """UNSHARD: issue the all-gather (async); the first use waits for it."""
         fn = getattr(self._module, "unshard", None)
-        if fn is not None and self._unshard is None:
-            self._unshard = fn(async_op=True)
+        if fn is None:
+            return
+        if self._unshard is not None:  # a previous step's, never resharded: done by now
+            self._unshard.wait()
+        self._unshard = fn(async_op=True)
 
     def reshard(self) -> None:
         """RESHARD: free every unsharded parameter of the stage (nested units included)."""
