@@ -55,12 +55,13 @@ from cadence.pipeline.runtime.errors import (
 )
 from cadence.pipeline.runtime.grad_sync import StageGradSync
 from cadence.pipeline.runtime.groups import ChannelMode, build_channel_groups
+from cadence.pipeline.runtime.metadata import agree_metadata
 from cadence.pipeline.runtime.microbatch import (
     LossPolicy,
     merge_microbatches,
     split_microbatches,
 )
-from cadence.pipeline.runtime.stage import PipelineStage, TensorMeta
+from cadence.pipeline.runtime.stage import PipelineStage
 from cadence.pipeline.runtime.tied import TiedParameters, TieSpec, check_ties, find_tied
 from cadence.pipeline.schedule.channels import RUNTIME_CHANNEL_MODES, channel_plan
 from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
@@ -301,7 +302,8 @@ class PipelineRuntime:
     def _run(self, actions: Sequence[Action], inputs, target, losses, *, backward, sync):
         mbs, targets = self._split(inputs, target)
         if not self._meta_ready:
-            self._infer_meta(mbs[0] if mbs else ())
+            agree_metadata(self.stages, self.placement, self.pp_rank, self._pp_comm, mbs[:1])
+            self._meta_ready = True
         st = _StepState(mbs, targets, backward)
         for s in self._sync.values():
             s.begin_step(sync and backward)
@@ -489,49 +491,6 @@ class PipelineRuntime:
         self._sync[a.stage].wait()
         if self.event_log is not None:
             self.event_log.mark("pp_wait_reduce_grad", stage=a.stage, mb=a.mb)
-
-    # -- metadata ---------------------------------------------------------------
-
-    def _infer_meta(self, mb0: Sequence[Any]) -> None:
-        """Agree on every stage's input/output metadata, once, before the first step.
-
-        One vote over the pp group decides static vs inferred (all ranks must take
-        the same branch, or they would disagree on the broadcasts that follow).
-        Inference runs each stage once on zeros in stage order, in eval mode so
-        that running statistics are not updated, and broadcasts its output metadata.
-        """
-        complete = all(
-            st.output_meta is not None and (st.is_first or st.input_meta is not None)
-            for st in self.stages.values()
-        )
-        if all(self._pp_comm.all_gather_object(complete)):
-            self._meta_ready = True
-            return
-        for s in range(self.num_stages):
-            owner = self.placement[s]
-            meta = None
-            if owner == self.pp_rank:
-                meta = self._infer_stage(self.stages[s], mb0)
-            meta = self._pp_comm.broadcast_object(meta, src=owner)
-            nxt = self.stages.get(s + 1)
-            if nxt is not None and nxt.input_meta is None:
-                nxt.input_meta = tuple(meta)
-        self._meta_ready = True
-
-    def _infer_stage(self, stage: PipelineStage, mb0: Sequence[Any]) -> tuple[TensorMeta, ...]:
-        if stage.is_first:
-            inputs = tuple(mb0)
-            if all(isinstance(t, torch.Tensor) for t in inputs):
-                stage.input_meta = tuple(TensorMeta.of(t) for t in inputs)
-        else:
-            assert stage.input_meta is not None  # broadcast by the stage before it
-            inputs = tuple(m.empty(stage.device).zero_() for m in stage.input_meta)
-        was_training = stage.module.training
-        stage.module.eval()
-        try:
-            return stage.infer_output_meta(inputs)
-        finally:
-            stage.module.train(was_training)
 
 
 def _forward_only(a: Action) -> bool:
