@@ -31,6 +31,8 @@ Each verb means the same on every wrapper:
   backward until ``reset_iter_state()``.
 - ``reset_iter_state()``: drops the state of a step that raised (call it on
   every rank).
+- ``split_backward(part)``: a context manager for a backward split in two, as
+  zero-bubble pipeline schedules do; see [Note: split backward parts].
 
 One difference is kept, for a reason: several *syncing* backwards before one
 manual finalize. fully_shard accepts them (each reduction owns its buffers; the
@@ -38,6 +40,29 @@ reduced shards add up in ``.grad``); DataParallel refuses the second backward,
 because its bucket buffers are reused by every backward and would be overwritten
 while in flight. Accumulate with sync off there instead (one reduction, fewer
 bytes on the wire).
+
+[Note: split backward parts]
+A zero-bubble schedule runs one microbatch's backward as two separate autograd
+calls (or more): I computes the gradients of the module's *inputs* and no
+parameter gradient; W, later, the parameter gradients (see
+``cadence/pipeline/runtime/split_backward.py``). Without help a wrapper would
+take each call for a whole backward: fully_shard would finish (and reshard) its
+units at the end of I, so W would find the parameters' storage freed; and
+DataParallel would arm a reduction window in I that no gradient ever fills.
+
+- ``split_backward("input")``: the backward inside produces no parameter
+  gradient. Units are unsharded as in any backward (the weight part needs them)
+  but not finished: no post-backward, no reshard, nothing reduced or
+  accumulated; DataParallel arms no window.
+- ``split_backward("weight")``: every autograd call inside together is the
+  parameter half of *one* backward. Each parameter's post-accumulate-grad hook
+  fires once, so reductions launch per bucket / per unit as soon as their
+  gradients are ready, exactly as in a full backward, following the same flags;
+  fully_shard first re-gathers any unit a forward resharded in between. At exit
+  the backward ends as a full one would (units whose hooks fired are finished,
+  automatic mode finalizes).
+
+Raises inside a backward, and when parts nest.
 
 [Note: finalize inside backward]
 ``finalize_backward()`` may be called from a hook inside backward once every
@@ -61,6 +86,7 @@ collectives in different orders.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -69,7 +95,9 @@ from torch.utils.hooks import RemovableHandle
 from cadence import _autograd
 from cadence.comm import ReductionHandle
 
-__all__ = ["GradientTiming", "refuse_inside_backward"]
+__all__ = ["SPLIT_BACKWARD_PARTS", "GradientTiming", "check_split_part", "refuse_inside_backward"]
+
+SPLIT_BACKWARD_PARTS = ("input", "weight")
 
 
 @runtime_checkable
@@ -106,6 +134,10 @@ class GradientTiming(Protocol):
         """Drop the state of a step that raised (on every rank)."""
         ...
 
+    def split_backward(self, part: str) -> AbstractContextManager[None]:
+        """Mark the autograd calls inside as one part of a split backward."""
+        ...
+
 
 def refuse_inside_backward(verb: str, why: str, error: type[Exception]) -> None:
     """Raise ``error`` when a setter of the timing verbs is called inside backward."""
@@ -114,3 +146,15 @@ def refuse_inside_backward(verb: str, why: str, error: type[Exception]) -> None:
             f"{verb} was called inside backward (from a hook?): {why} "
             "Fix: call it before the forward whose backward it should govern."
         )
+
+
+def check_split_part(part: str, current: str | None, error: type[Exception]) -> None:
+    """Validate a ``split_backward(part)`` entry; see [Note: split backward parts]."""
+    if part not in SPLIT_BACKWARD_PARTS:
+        raise error(f"split_backward({part!r}): the part must be one of {SPLIT_BACKWARD_PARTS}")
+    if current is not None:
+        raise error(
+            f"split_backward({part!r}) inside split_backward({current!r}): the parts of a "
+            "split backward run one after the other, not nested."
+        )
+    refuse_inside_backward(f"split_backward({part!r})", "a part spans whole autograd calls.", error)

@@ -77,6 +77,12 @@ def add_train_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         "--fsdp", action="store_true", help="cadence.fully_shard instead of DataParallel"
     )
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default=d.mixed_precision)
+    p.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=d.dp_replicate,
+        help="with --fsdp: HSDP replicas of the sharded data-parallel ranks (default 1)",
+    )
     p.add_argument("--pp", type=int, default=d.pp, help="pipeline stages (ranks)")
     p.add_argument(
         "--schedule", default=d.schedule, help=f"with --pp: {', '.join(SCHEDULE_NAMES)} (1f1b)"
@@ -110,6 +116,7 @@ def _train(args: argparse.Namespace) -> int:
         finalize=args.finalize,
         fsdp=args.fsdp,
         mixed_precision=args.mixed_precision,
+        dp_replicate=args.dp_replicate,
         pp=args.pp,
         schedule=args.schedule,
         microbatches=args.microbatches,

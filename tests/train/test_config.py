@@ -10,6 +10,7 @@ import pytest
 
 from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule import ScheduleValidationError
+from cadence.train.build import topology_for
 from cadence.train.config import Layout, TrainConfig, TrainConfigError
 
 
@@ -58,13 +59,14 @@ REFUSED = [
     (dict(pp=2, bucket_cap_mb=1.0), "this run wraps with none"),
     (dict(pp=3), "--pp 3 must divide the world size 2"),
     (dict(pp=2, finalize="manual"), "--finalize manual needs --pp 1"),
+    (dict(dp_replicate=2), "--dp-replicate (HSDP) needs --fsdp"),
+    (dict(dp_replicate=0, fsdp=True), "--dp-replicate must be >= 1"),
+    (dict(dp_replicate=3, fsdp=True, nproc=4, pp=2), "--dp-replicate 3 must divide the 2"),
     (dict(pp=2, nproc=4, batch_size=12), "must be a multiple of dp (2) x microbatches (4) = 8"),
     (
         dict(pp=2, schedule="interleaved", chunks=4),
         "--layers 4 gives fewer blocks than the 8 pipeline stages",
     ),
-    (dict(pp=2, nproc=4, schedule="zbv"), "dp=2 (DataParallel stages)"),
-    (dict(pp=2, fsdp=True, schedule="zb_h1"), "splits backward into I and W"),
 ]
 
 
@@ -81,6 +83,21 @@ def test_schedule_rules_come_from_the_generator() -> None:
         TrainConfig(
             pp=2, schedule="dualpipev", microbatches=3, batch_size=6, model=GPTConfig(n_layers=4)
         )
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+@pytest.mark.parametrize(
+    "schedule", ["gpipe", "1f1b", "interleaved", "looped_bfs", "zb_h1", "zbv", "dualpipev"]
+)
+def test_every_schedule_takes_data_parallel_stages(schedule: str, fsdp: bool) -> None:
+    layout = TrainConfig(pp=2, nproc=4, fsdp=fsdp, schedule=schedule, batch_size=16).layout()
+    assert layout.dp == 2 and layout.wrapper == ("fully_shard" if fsdp else "DataParallel")
+
+
+def test_hsdp_layout() -> None:
+    layout = TrainConfig(nproc=4, pp=2, fsdp=True, dp_replicate=2, batch_size=16).layout()
+    topo = topology_for(layout)
+    assert (topo.pp, topo.dp_replicate, topo.dp_shard) == (2, 2, 1)
 
 
 def test_errors_are_value_errors() -> None:

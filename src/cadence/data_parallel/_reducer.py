@@ -155,6 +155,7 @@ class Reducer:
         self.require_sync = True
         # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
         self.grad_guard = GradGuard("DataParallel")
+        self.split_part: str | None = None  # see [Note: split backward parts] in _timing.py
 
     # -- state queries --------------------------------------------------------
 
@@ -215,7 +216,11 @@ class Reducer:
 
     def begin_backward(self, token: ForwardToken | None) -> None:
         """Arm a window; called by the sink (or by the first hook as a fallback)."""
+        if self.split_part == "input":
+            return  # no parameter gradient is coming: nothing to reduce
         w = self.window
+        if self.split_part == "weight" and w is not None:
+            return  # armed when the weight part began; its autograd calls share it
         if w is not None and w.sync:
             raise DataParallelError(
                 "a new backward started while the previous synced backward's reductions are "
@@ -397,6 +402,22 @@ class Reducer:
             self.failure = exc
             raise
 
+    def begin_split_part(self, part: str) -> None:
+        """Enter a part of a split backward (see [Note: split backward parts])."""
+        if part == "weight":
+            self.check_can_start("the weight part of a split backward")
+            self.split_part = part
+            # Armed outside backward, so no end-of-backward callback is queued: the
+            # window spans every autograd call of the part and ends in end_split_part.
+            self.begin_backward(self.last_token)
+        else:
+            self.split_part = part
+
+    def end_split_part(self) -> None:
+        part, self.split_part = self.split_part, None
+        if part == "weight":
+            self.end_backward()
+
     # -- finalization ---------------------------------------------------------
 
     def finalize(self, *, blocking: bool, end_of_backward: bool = False) -> ReductionHandle | None:
@@ -495,6 +516,7 @@ class Reducer:
 
     def reset(self) -> None:
         self.grad_guard.restore()
+        self.split_part = None
         self.window = None
         self.accumulating = False
         self.handle = None

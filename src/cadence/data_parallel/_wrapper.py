@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
-from cadence._timing import refuse_inside_backward
+from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
 from cadence.data_parallel._ddp_args import UNSET, resolve_ddp_args
@@ -442,6 +442,25 @@ class DataParallel(nn.Module):
         if async_op and handle is None:
             return ReductionHandle.completed("DataParallel gradients")
         return handle
+
+    @contextlib.contextmanager
+    def split_backward(self, part: str) -> Iterator[None]:
+        """One part (``"input"`` or ``"weight"``) of a backward split in two.
+
+        ``"input"``: the backward inside computes input gradients only; no reduction
+        window is armed. ``"weight"``: the autograd calls inside are the parameter half
+        of one backward; buckets launch as their gradients become ready, following
+        the sync flag read at entry. See [Note: split backward parts] in
+        ``cadence/_timing.py``.
+        """
+        check_split_part(part, self._reducer.split_part, DataParallelError)
+        self._reducer.begin_split_part(part)
+        try:
+            yield
+        except BaseException:
+            self._reducer.split_part = None  # a failed part ends nothing: reset_iter_state()
+            raise
+        self._reducer.end_split_part()
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Make ``optimizer.step()`` raise while reductions are pending (before it reads grads)."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
-from cadence._timing import refuse_inside_backward
+from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import EventLog, ReductionHandle
 from cadence.errors import CadenceTypeError, CadenceValueError
 from cadence.fsdp._api import (
@@ -205,6 +206,27 @@ class FullyShardedModule(nn.Module):
         [Note: finalize inside backward] in ``cadence/_timing.py``).
         """
         return self._runtime.finalize_backward(async_op=async_op)
+
+    @contextlib.contextmanager
+    def split_backward(self, part: str) -> Iterator[None]:
+        """One part (``"input"`` or ``"weight"``) of a backward split in two.
+
+        ``"input"``: units are unsharded for the backward inside but not finished (no
+        post-backward, no reshard), since the weight part needs them. ``"weight"``: the
+        autograd calls inside are the parameter half of one backward; each unit
+        reshards and reduce-scatters (or accumulates) when all its parameters'
+        gradients are ready, as in a full backward. See [Note: split backward parts]
+        in ``cadence/_timing.py``.
+        """
+        runtime = self._runtime
+        check_split_part(part, runtime.split_part, FullyShardError)
+        runtime.begin_split_part(part)
+        try:
+            yield
+        except BaseException:
+            runtime.split_part = None  # a failed part ends nothing: reset_iter_state()
+            raise
+        runtime.end_split_part()
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Make ``optimizer.step()`` raise while reductions are pending (as DataParallel).

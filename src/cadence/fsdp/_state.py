@@ -98,6 +98,7 @@ class Runtime:
         self.forward_order: list[Unit] = []
         self.last_forward_order: list[Unit] = []
         self.backward_active = False
+        self.split_part: str | None = None  # see [Note: split backward parts] in _timing.py
         # -- reductions: see [Note: one wait-and-cleanup path] --
         self.inflight: deque[PendingReduction] = deque()  # RS issued, not waited
         self.retired: list[PendingReduction] = []  # RS waited (AR maybe issued), grads not written
@@ -323,9 +324,11 @@ class Runtime:
 
     def final_callback(self) -> None:
         """End of the outermost backward: finish units whose hooks never fired."""
-        for unit in reversed(self.forward_order or self.units):
-            if unit.pre_backward_done and not unit.post_backward_done:
-                self.post_backward(unit)
+        # The input part of a split backward finishes no unit: the weight part will.
+        if self.split_part != "input":
+            for unit in reversed(self.forward_order or self.units):
+                if unit.pre_backward_done and not unit.post_backward_done:
+                    self.post_backward(unit)
         for unit in self.units:
             if unit.state is ShardedState.UNSHARDING:
                 unit.reshard()  # a prefetch nobody consumed
@@ -338,6 +341,32 @@ class Runtime:
             self.wait_and_cleanup()
         else:
             self.guard_pending_grads()
+
+    # -- split backward (see [Note: split backward parts] in cadence/_timing.py) --
+
+    def begin_split_part(self, part: str) -> None:
+        self.check_no_pending_handle(f"split_backward({part!r})")
+        self.check_backward_finished(f"split_backward({part!r})")
+        self.split_part = part
+        if part != "weight":
+            return
+        # A forward since the input part may have resharded a unit (reshard after
+        # forward): the weight part needs the parameters the graph saved.
+        for unit in self.units:
+            unit.unshard(async_op=False)
+        self.note_unsharded()
+        # One backward for the hooks, however many autograd calls it takes: no
+        # end-of-backward callback is queued; end_split_part finishes it.
+        self.backward_active = True
+        self.state = TrainingState.BACKWARD
+
+    def end_split_part(self) -> None:
+        part, self.split_part = self.split_part, None
+        if part == "weight":
+            for unit in self.units:
+                if unit.hooks_fired:
+                    unit.pre_backward_done = True
+            self.final_callback()
 
     # -- finalization -----------------------------------------------------------
 
@@ -442,6 +471,7 @@ class Runtime:
                 info.unsharded.grad = None
             unit.reshard()
         self.backward_active = False
+        self.split_part = None
         self.state = TrainingState.IDLE
 
     def reshard_all_idle(self, what: str) -> None:

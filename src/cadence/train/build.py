@@ -63,9 +63,11 @@ class TrainState:
 
 
 def topology_for(layout: Layout) -> Topology:
-    """Pipeline outermost; data-parallel ranks shard with fully_shard, else replicate."""
+    """Pipeline outermost; data-parallel ranks shard with fully_shard (in
+    ``dp_replicate`` replicas: HSDP), else replicate."""
     if layout.wrapper == "fully_shard":
-        return Topology(dp_shard=layout.dp, pp=layout.pp)
+        r = layout.dp_replicate
+        return Topology(dp_replicate=r, dp_shard=layout.dp // r, pp=layout.pp)
     return Topology(dp_replicate=layout.dp, pp=layout.pp)
 
 

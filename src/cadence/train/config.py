@@ -19,13 +19,12 @@ WAIT_REDUCE_GRAD actions decide when reductions finish).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cadence.errors import CadenceError
 from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule.generators import canonical_name, default_chunks, generate
-from cadence.pipeline.schedule.ir import ActionKind
 
 __all__ = ["Layout", "TrainConfig", "TrainConfigError"]
 
@@ -54,6 +53,8 @@ class Layout:
     chunks: int = 1
     bucket_cap_mb: float | None = None
     """DataParallel's bucket cap; None unless the wrapper is DataParallel."""
+    dp_replicate: int = 1
+    """fully_shard only: replicas (HSDP) of the ``dp / dp_replicate`` sharded ranks."""
 
     @property
     def stages(self) -> int:
@@ -99,6 +100,10 @@ class TrainConfig:
     """The TinyGPT shape; with ``pp > 1`` it needs at least one block per stage."""
     bucket_cap_mb: float | None = None
     """DataParallel's bucket size in MiB; None means 0.25. Only with DataParallel."""
+    dp_replicate: int = 1
+    """HSDP: with ``fsdp``, the data-parallel ranks form ``dp_replicate`` replicas, each
+    sharding over ``dp / dp_replicate`` ranks (gradients reduce-scattered in a replica,
+    then all-reduced across replicas). 1: plain fully_shard over all dp ranks."""
     run_dir: str = ""
     """Where ``metrics.json`` goes; "" means ``runs/<timestamp>``."""
     timeout: float = 1800.0
@@ -118,6 +123,12 @@ class TrainConfig:
             raise err("--pp must be >= 1")
         if self.microbatches < 0 or self.chunks < 0:
             raise err("--microbatches and --chunks must be >= 0 (0 picks the default)")
+        if self.dp_replicate < 1:
+            raise err(f"--dp-replicate must be >= 1, got {self.dp_replicate}")
+        if self.dp_replicate > 1 and not self.fsdp:
+            raise err(
+                "--dp-replicate (HSDP) needs --fsdp: DataParallel replicates every rank already"
+            )
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise err(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
         self.layout()  # everything that depends on the world size
@@ -147,10 +158,16 @@ class TrainConfig:
                 f"--bucket-cap-mb sets DataParallel's buckets, but this run wraps with "
                 f"{wrapper}; drop the flag"
             )
+        if dp % self.dp_replicate:
+            raise TrainConfigError(
+                f"--dp-replicate {self.dp_replicate} must divide the {dp} data-parallel ranks"
+            )
         cap = (self.bucket_cap_mb or DEFAULT_BUCKET_CAP_MB) if wrapper == "DataParallel" else None
         if self.pp == 1:
-            return self._data_parallel_layout(world, wrapper, cap)
-        return self._pipeline_layout(world, dp, wrapper, cap)
+            layout = self._data_parallel_layout(world, wrapper, cap)
+        else:
+            layout = self._pipeline_layout(world, dp, wrapper, cap)
+        return replace(layout, dp_replicate=self.dp_replicate)
 
     def _data_parallel_layout(self, world: int, wrapper: Wrapper, cap: float | None) -> Layout:
         unused = [
@@ -191,15 +208,6 @@ class TrainConfig:
                 "or more"
             )
         # The generator refuses (p, m, v) it cannot schedule, with the rule it breaks.
-        sched = generate(name, self.pp, m, v)
-        split = any(
-            c.kind is ActionKind.W for r in sched.ranks for a in r for c in a.compute_parts()
-        )
-        if wrapper != "none" and split:
-            why = "--fsdp" if wrapper == "fully_shard" else f"dp={dp} (DataParallel stages)"
-            raise TrainConfigError(
-                f"--schedule {name} splits backward into I and W, which data-parallel "
-                f"stages cannot take ({why}); use gpipe, 1f1b, interleaved or looped_bfs, "
-                "or run the pipeline without data parallelism"
-            )
+        # Every schedule takes data-parallel stages, split (I/W) backwards included.
+        generate(name, self.pp, m, v)
         return Layout(world, self.pp, dp, wrapper, name, m, v, cap)

@@ -105,3 +105,57 @@ def test_errors_are_cadence_errors_with_builtin_bases():
         (ScheduleDeadlockError, RuntimeError),
     ]:
         assert issubclass(cls, CadenceError) and issubclass(cls, base), cls
+
+
+class _Tied(nn.Module):
+    """A stage with a weight used twice (a tied embedding/head inside one stage) and
+    an output that depends on a weight only (no path to the input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.inner = nn.Linear(8, 8)
+        self.bias_only = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        return self.inner(h) + x, self.bias_only * 2.0
+
+
+@pytest.mark.parametrize("make", [lambda: _mlp(0), _Tied])
+def test_split_backward_fires_each_parameter_hook_once_in_w(make):
+    """W accumulates through each parameter's own AccumulateGrad node: its
+    post-accumulate hook fires exactly once per W and never in I, which is what
+    data-parallel wrappers launch their reductions from."""
+    full, split = make(), make()
+    x = torch.randn(4, 8)
+    fired: dict[str, int] = {}
+    for name, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1)
+        )
+    a, b = PipelineStage(full, 1, 3), PipelineStage(split, 1, 3)
+    outs = a.forward(0, (x,))
+    b.forward(0, (x,))
+    gs = tuple(torch.randn_like(o) for o in outs)
+    da = a.backward(0, gs)
+    db = b.backward_input(0, gs)
+    assert fired == {}
+    assert_close(db, da, atol=0)
+    kept = b._split[0]
+    if isinstance(split, nn.Sequential):  # W re-runs only the two Linears' weight sides
+        assert len(kept.groups) == 2 and not kept.residual
+    else:  # bias_only never meets the input path: done from the roots
+        assert [id(w) for w in kept.residual] == [id(split.bias_only)]
+    b.backward_weight(0)
+    assert fired == {name: 1 for name, _ in split.named_parameters()}
+    assert_close(named_grads(split), named_grads(full), atol=1e-7)
+
+
+def test_split_backward_part_is_validated():
+    from cadence._timing import check_split_part
+
+    with pytest.raises(ValueError, match="must be one of"):
+        check_split_part("both", None, ValueError)
+    with pytest.raises(ValueError, match="not nested"):
+        check_split_part("weight", "input", ValueError)

@@ -7,6 +7,7 @@ import pytest
 from cadence.pipeline.schedule import (
     GENERATORS,
     ActionKind,
+    ScheduleValidationError,
     add_reduce_grad,
     add_wait_reduce,
     default_chunks,
@@ -102,3 +103,17 @@ def test_placement_for_matches_the_generated_schedule() -> None:
         placement_for("zbv", 4, 1)
     assert torch_schedule_name("Interleaved1F1B") == "Interleaved1F1B"
     assert torch_schedule_name("zb1p") == "InterleavedZeroBubble"
+
+
+def test_wait_reduce_keeps_at_most_k_in_flight() -> None:
+    low = lower(generate("interleaved", 2, 4, 2), max_outstanding_reductions=2)
+    kinds = [(a.kind.name, a.stage) for a in low.ranks[0] if "REDUCE" in a.kind.name]
+    assert kinds == [
+        ("REDUCE_GRAD", 2),
+        ("REDUCE_GRAD", 0),
+        ("WAIT_REDUCE_GRAD", 2),
+        ("WAIT_REDUCE_GRAD", 0),
+    ]
+    verify(low)
+    with pytest.raises(ScheduleValidationError, match="max_outstanding must be an int >= 1"):
+        lower(generate("interleaved", 2, 4, 2), max_outstanding_reductions=0)

@@ -6,7 +6,10 @@ Modules (each importing only those before it, and the schedule layer):
 - ``errors``: `PipelineUsageError`, `PipelineStateError`, `PlanMismatchError`,
   `StageShapeError`, `PipelineRuntimeError`.
 - ``stage``: `PipelineStage` (F, B, I, W of one module chunk; shape checks).
+- ``split_backward``: the I/W split of one microbatch's backward.
 - ``microbatch``: `split_microbatches`, `merge_microbatches`, `LossPolicy`.
+- ``metadata``: every rank agrees on the stages' tensor metadata.
+- ``tied``: parameters tied across stages.
 - ``grad_sync``: `StageGradSync`, REDUCE_GRAD / WAIT_REDUCE_GRAD through the public
   timing verbs of a data-parallel wrapper.
 - ``groups``: channels -> process groups (plan vote, creation, preconnect, cache).

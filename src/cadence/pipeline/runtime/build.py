@@ -56,6 +56,9 @@ def build_pipeline(
     input_meta: Mapping[int, TensorMeta | Sequence[TensorMeta]] | None = None,
     source: Literal["cadence", "torch"] = "cadence",
     device: torch.device | str | None = None,
+    max_outstanding_reductions: int = 1,
+    tied_parameters: Sequence[Sequence[tuple[int, str]]] = (),
+    batch_p2p: bool = False,
 ) -> PipelineRuntime:
     """Build this rank's pipeline runtime. Collective over the world (channel groups).
 
@@ -74,10 +77,15 @@ def build_pipeline(
         source: ``"cadence"`` (the schedule layer's IR) or ``"torch"`` (torch's
             lowered IR for the same schedule name, parsed into cadence's).
         device: where stages run; default ``groups.device`` (CPU without groups).
+        max_outstanding_reductions: data-parallel reductions in flight per rank
+            (K): lowering waits the oldest when a (K+1)-th is issued, the rest at
+            the end of the step. Only where this call lowers the schedule.
+        tied_parameters: parameters shared by several stages; see `PipelineRuntime`.
+        batch_p2p: batch consecutive sends/receives; see `PipelineRuntime`.
     """
     pp_ranks = list(groups.pp_ranks) if groups is not None else list(range(dist.get_world_size()))
     pp = len(pp_ranks)
-    low = _lowered(schedule, pp, n_microbatches, chunks, source)
+    low = _lowered(schedule, pp, n_microbatches, chunks, source, max_outstanding_reductions)
     mine = low.stages_of(pp_ranks.index(dist.get_rank()))
     if device is not None:
         dev = torch.device(device)
@@ -117,6 +125,8 @@ def build_pipeline(
         loss_reduction=loss_reduction,
         channel_mode=channel_mode,
         event_log=event_log,
+        tied_parameters=tied_parameters,
+        batch_p2p=batch_p2p,
     )
 
 
@@ -126,17 +136,29 @@ def _lowered(
     n_microbatches: int | None,
     chunks: int | None,
     source: str,
+    k: int,
 ) -> Schedule:
     """The lowered schedule to run, after checking every argument against it."""
     if source not in ("cadence", "torch"):
         raise PipelineUsageError(f"source={source!r}; use 'cadence' or 'torch'")
+    if not isinstance(k, int) or k < 1:
+        raise PipelineUsageError(f"max_outstanding_reductions={k!r}; use an int >= 1")
+    prelowered = source == "torch" or (isinstance(schedule, Schedule) and schedule.meta.lowered)
+    if k != 1 and prelowered:
+        raise PipelineUsageError(
+            f"max_outstanding_reductions={k} places WAIT_REDUCE_GRAD while lowering, but "
+            "this schedule arrives lowered; lower it yourself with "
+            "lower(schedule, max_outstanding_reductions=...) or pass a compute-only schedule"
+        )
     if isinstance(schedule, str):
         if n_microbatches is None:
             raise PipelineUsageError("build_pipeline(name, ...) needs n_microbatches=")
         v = 1 if chunks is None else chunks
         if source == "torch":
             return torch_lowered_schedule(schedule, pp, n_microbatches, v)
-        return lower(generate(canonical_name(schedule), pp, n_microbatches, v))
+        return lower(
+            generate(canonical_name(schedule), pp, n_microbatches, v), max_outstanding_reductions=k
+        )
     if not isinstance(schedule, Schedule):
         raise PipelineUsageError(
             f"schedule must be a name or a cadence Schedule, got {type(schedule).__name__}"
@@ -158,7 +180,7 @@ def _lowered(
             f"chunks={chunks} but the schedule has {v} stages per rank; omit chunks "
             "or pass the schedule's"
         )
-    return schedule if schedule.meta.lowered else lower(schedule)
+    return schedule if schedule.meta.lowered else lower(schedule, max_outstanding_reductions=k)
 
 
 def torch_lowered_schedule(name: str, pp: int, n_microbatches: int, chunks: int) -> Schedule:

@@ -17,6 +17,18 @@ Sends are waited at their WAIT_SEND or at the end of the step (their buffers are
 kept alive until then); receives are waited just before the compute that
 consumes them.
 
+[Note: batched P2P]
+With ``batch_p2p=True`` each run of consecutive SEND/RECV actions is posted at
+its first action, as one ``batch_isend_irecv`` per communicator (NCCL posts a
+batch as one group, which also lets a send and a receive with the same peer in
+the shared channel mode progress together). Nothing moves across a compute
+action, and within each communicator the ops keep program order (one op per
+tensor of a multi-tensor boundary), so the FIFO pairing that `verify` proved is
+unchanged: the receiver's buffers and the sender's works end up where the
+single-op handlers would have put them. With per-edge channels a batch holds the
+ops of one directed edge (torch requires one group per batch), so on gloo, which
+does not coalesce, it is the same ops issued the same way.
+
 [Note: the executor trusts the verified lists]
 The runtime executes exactly the action lists that `verify` accepted, so the
 properties the simulator proves are not re-checked per action: every RECV has its
@@ -43,12 +55,14 @@ from cadence.pipeline.runtime.errors import (
 )
 from cadence.pipeline.runtime.grad_sync import StageGradSync
 from cadence.pipeline.runtime.groups import ChannelMode, build_channel_groups
+from cadence.pipeline.runtime.metadata import agree_metadata
 from cadence.pipeline.runtime.microbatch import (
     LossPolicy,
     merge_microbatches,
     split_microbatches,
 )
-from cadence.pipeline.runtime.stage import PipelineStage, TensorMeta
+from cadence.pipeline.runtime.stage import PipelineStage
+from cadence.pipeline.runtime.tied import TiedParameters, TieSpec, check_ties, find_tied
 from cadence.pipeline.schedule.channels import RUNTIME_CHANNEL_MODES, channel_plan
 from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
 from cadence.pipeline.schedule.sim import verify
@@ -80,8 +94,17 @@ class PipelineRuntime:
         loss_reduction: ``"mean"`` (default, equal to one process on the full batch)
             or ``"sum"``; see `LossPolicy`.
         channel_mode: ``"per_directed_edge"`` (default) or ``"shared"``.
-        event_log: records every P2P with its channel (``event.group == "pp0->1"``)
-            and every LOCAL hand-off as a mark named ``"pp_local"``.
+        event_log: records every P2P with its channel (``event.group == "pp0->1"``),
+            every LOCAL hand-off as a mark named ``"pp_local"``, each finished compute
+            action as a mark ``"pp_compute"`` (``stage``, ``kind``, ``mb``), and
+            REDUCE_GRAD / WAIT_REDUCE_GRAD as ``"pp_reduce_grad"`` /
+            ``"pp_wait_reduce_grad"``, all in one order (``event.seq``).
+        tied_parameters: ties across stages, each ``[(stage, parameter name in that
+            stage's module), ...]``, e.g. ``[[(0, "embed.weight"), (3, "head.weight")]]``:
+            after a syncing step every copy holds the sum of the copies' gradients.
+            The same on every rank; see [Note: tied parameters across stages].
+        batch_p2p: post each run of consecutive SEND/RECV actions as one
+            ``batch_isend_irecv`` per communicator; see [Note: batched P2P].
     """
 
     def __init__(
@@ -94,6 +117,8 @@ class PipelineRuntime:
         loss_reduction: str = "mean",
         channel_mode: ChannelMode = "per_directed_edge",
         event_log: EventLog | None = None,
+        tied_parameters: Sequence[TieSpec] = (),
+        batch_p2p: bool = False,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise PipelineUsageError(
@@ -132,8 +157,18 @@ class PipelineRuntime:
         # A local misuse is voted on with the plan (groups.py) rather than raised
         # here, so that the other ranks fail with it instead of hanging.
         self._sync = {s: StageGradSync(st.module) for s, st in self.stages.items()}
-        local_error = self._stage_mismatch() or self._split_backward_on_wrapped_stage()
+        ties: tuple = ()
+        tie_error = None
+        try:
+            ties = check_ties(tied_parameters, self.num_stages)
+            tied = find_tied(ties, {s: st.module for s, st in self.stages.items()})
+        except PipelineUsageError as e:
+            tie_error, tied = str(e), {}
+        local_error = self._stage_mismatch() or tie_error
         self._last_backward = self._find_last_backwards()
+        for s in {a.stage for a in self.actions if a.kind in (K.UNSHARD, K.RESHARD)}:
+            if s in self._sync:
+                self._sync[s].take_placement()
         self._forward_actions = tuple(
             x for a in self.actions for x in (a.sub or (a,)) if _forward_only(x)
         )
@@ -145,6 +180,11 @@ class PipelineRuntime:
             pp_group=groups.pp if groups is not None else None,
             event_log=event_log,
             local_error=local_error,
+            agree=("tied_parameters", ties),
+        )
+        # See [Note: tied parameters across stages] in tied.py.
+        self.tied = TiedParameters(
+            ties, tied, self.placement, self.channel_groups.all_pp_groups, event_log
         )
         # The per-action route, derived once from the placement (validate_lowered
         # checked any channel an action states against it): the communicator of the
@@ -171,6 +211,13 @@ class PipelineRuntime:
         }
         self._meta_ready = False
         self.local_handoffs = 0  # lifetime count of LOCAL hand-offs (tests read it)
+        self.batch_p2p = bool(batch_p2p)
+        self.p2p_batches = 0  # lifetime count of batch_isend_irecv calls (tests read it)
+        self._p2p_runs = (
+            {id(acts): _p2p_runs(acts) for acts in (self.actions, self._forward_actions)}
+            if self.batch_p2p
+            else {}
+        )
 
     # -- validation -----------------------------------------------------------
 
@@ -186,20 +233,6 @@ class PipelineRuntime:
             if st.num_stages != self.num_stages:
                 return f"{st} says num_stages={st.num_stages}, the schedule has {self.num_stages}"
         return None
-
-    def _split_backward_on_wrapped_stage(self) -> str | None:
-        # See [Note: W writes .grad directly] in grad_sync.py.
-        split = {c.stage for a in self.actions for c in a.compute_parts() if c.kind is K.W}
-        wrapped = sorted(s for s in split if s in self._sync and self._sync[s].timing is not None)
-        if not wrapped:
-            return None
-        kind = type(self.stages[wrapped[0]].module).__name__
-        return (
-            f"stages {wrapped} are wrapped in a data-parallel wrapper ({kind}), but the "
-            f"schedule ({self.schedule.meta.generator}) splits their backward into I and W; "
-            "W writes weight gradients the wrapper never reduces. Use a schedule with full "
-            "backwards (gpipe, 1f1b, interleaved, looped_bfs) for wrapped stages"
-        )
 
     def _channel(self, a: Action) -> tuple[int, int]:
         src, dst = (a.peer_stage, a.stage) if a.kind is K.RECV else (a.stage, a.peer_stage)
@@ -269,13 +302,23 @@ class PipelineRuntime:
     def _run(self, actions: Sequence[Action], inputs, target, losses, *, backward, sync):
         mbs, targets = self._split(inputs, target)
         if not self._meta_ready:
-            self._infer_meta(mbs[0] if mbs else ())
+            agree_metadata(self.stages, self.placement, self.pp_rank, self._pp_comm, mbs[:1])
+            self._meta_ready = True
         st = _StepState(mbs, targets, backward)
         for s in self._sync.values():
             s.begin_step(sync and backward)
+        runs = self._p2p_runs.get(id(actions), {})
         for i, a in enumerate(actions):
             try:
+                run = runs.get(i)
+                if run is not None:  # batched P2P: posted with the run's first action
+                    if run:
+                        self._post_batch(run, st)
+                    continue
                 self._handlers[a.kind](a, i, st)
+                if self.event_log is not None and a.is_compute:
+                    for c in a.compute_parts():
+                        self.event_log.mark("pp_compute", stage=c.stage, kind=c.kind.name, mb=c.mb)
             except Exception as e:
                 for stage in self.stages.values():
                     stage.clear()
@@ -288,6 +331,8 @@ class PipelineRuntime:
         if backward:
             for s in self._sync.values():
                 s.end_step()
+            if sync and self.tied:
+                self.tied.sum_grads()
         for stage in self.stages.values():
             stage.clear()
         if losses is not None and st.losses:
@@ -355,14 +400,19 @@ class PipelineRuntime:
             self._sync[a.stage].before_backward(self._last_backward.get(a.stage) == i)
             in_grads = stage.backward(mb, grads)
         else:  # I: the input half; the stage's last backward is its W
-            self._sync[a.stage].before_backward(False)
-            in_grads = stage.backward_input(mb, grads)
+            sync = self._sync[a.stage]
+            sync.before_backward(False)
+            with sync.split("input"):
+                in_grads = stage.backward_input(mb, grads)
         if in_grads is not None:
             st.grads[(a.stage, mb)] = in_grads
 
     def _backward_weight(self, a: Action, i: int, st: _StepState) -> None:
-        self._sync[a.stage].before_backward(self._last_backward.get(a.stage) == i)
-        self.stages[a.stage].backward_weight(a.mb)
+        # See [Note: split backwards drive the same reductions] in grad_sync.py.
+        sync = self._sync[a.stage]
+        sync.before_backward(self._last_backward.get(a.stage) == i)
+        with sync.split("weight"):
+            self.stages[a.stage].backward_weight(a.mb)
 
     def _overlap(self, a: Action, i: int, st: _StepState) -> None:
         # FB_OVERLAP: the sub-actions run in order (a fused kernel would go here).
@@ -384,6 +434,30 @@ class PipelineRuntime:
         bufs = stage.grad_buffers() if grad else stage.input_buffers()
         works = [comm.irecv(b, peer) for b in bufs]
         st.recvs.setdefault((a.stage, a.mb, grad), []).append((bufs, works))  # type: ignore[arg-type]
+
+    def _post_batch(self, run: tuple[Action, ...], st: _StepState) -> None:
+        # See [Note: batched P2P]: one batch per communicator, each in action order.
+        ops: dict[int, tuple[Comm, list]] = {}
+        for a in run:
+            comm, peer = self._route[a]
+            batch = ops.setdefault(id(comm.group), (comm, []))[1]
+            if a.kind is K.SEND:
+                tensors = (st.grads if a.payload is Payload.GRAD else st.acts).pop((a.stage, a.mb))
+                batch.append((a, [("send", t.contiguous(), peer) for t in tensors]))
+            else:
+                stage = self.stages[a.stage]
+                bufs = stage.grad_buffers() if a.payload is Payload.GRAD else stage.input_buffers()
+                batch.append((a, [("recv", b, peer) for b in bufs]))
+        for comm, items in ops.values():
+            works = iter(comm.batch_isend_irecv([op for _, part in items for op in part]))
+            self.p2p_batches += 1
+            for a, part in items:
+                mine = [next(works) for _ in part]
+                if a.kind is K.SEND:
+                    st.sends[_send_key(a)] = mine
+                else:
+                    key = (a.stage, a.mb, a.payload is Payload.GRAD)
+                    st.recvs.setdefault(key, []).append((tuple(t for _, t, _ in part), mine))
 
     def _local(self, a: Action, i: int, st: _StepState) -> None:
         # LOCAL: stage -> peer_stage on this rank, no P2P (the V turn, or looped
@@ -418,54 +492,28 @@ class PipelineRuntime:
         if self.event_log is not None:
             self.event_log.mark("pp_wait_reduce_grad", stage=a.stage, mb=a.mb)
 
-    # -- metadata ---------------------------------------------------------------
-
-    def _infer_meta(self, mb0: Sequence[Any]) -> None:
-        """Agree on every stage's input/output metadata, once, before the first step.
-
-        One vote over the pp group decides static vs inferred (all ranks must take
-        the same branch, or they would disagree on the broadcasts that follow).
-        Inference runs each stage once on zeros in stage order, in eval mode so
-        that running statistics are not updated, and broadcasts its output metadata.
-        """
-        complete = all(
-            st.output_meta is not None and (st.is_first or st.input_meta is not None)
-            for st in self.stages.values()
-        )
-        if all(self._pp_comm.all_gather_object(complete)):
-            self._meta_ready = True
-            return
-        for s in range(self.num_stages):
-            owner = self.placement[s]
-            meta = None
-            if owner == self.pp_rank:
-                meta = self._infer_stage(self.stages[s], mb0)
-            meta = self._pp_comm.broadcast_object(meta, src=owner)
-            nxt = self.stages.get(s + 1)
-            if nxt is not None and nxt.input_meta is None:
-                nxt.input_meta = tuple(meta)
-        self._meta_ready = True
-
-    def _infer_stage(self, stage: PipelineStage, mb0: Sequence[Any]) -> tuple[TensorMeta, ...]:
-        if stage.is_first:
-            inputs = tuple(mb0)
-            if all(isinstance(t, torch.Tensor) for t in inputs):
-                stage.input_meta = tuple(TensorMeta.of(t) for t in inputs)
-        else:
-            assert stage.input_meta is not None  # broadcast by the stage before it
-            inputs = tuple(m.empty(stage.device).zero_() for m in stage.input_meta)
-        was_training = stage.module.training
-        stage.module.eval()
-        try:
-            return stage.infer_output_meta(inputs)
-        finally:
-            stage.module.train(was_training)
-
 
 def _forward_only(a: Action) -> bool:
     if a.kind in _TRANSFERS:
         return a.payload is Payload.ACT
     return a.kind in _FORWARD_KINDS
+
+
+def _p2p_runs(actions: Sequence[Action]) -> dict[int, tuple[Action, ...]]:
+    """Index of each run's first SEND/RECV -> the run; later members -> ()."""
+    runs: dict[int, tuple[Action, ...]] = {}
+    i = 0
+    while i < len(actions):
+        j = i
+        while j < len(actions) and actions[j].kind in (K.SEND, K.RECV):
+            j += 1
+        if j > i:
+            runs[i] = tuple(actions[i:j])
+            runs.update({k: () for k in range(i + 1, j)})
+            i = j
+        else:
+            i += 1
+    return runs
 
 
 def _send_key(a: Action) -> tuple:

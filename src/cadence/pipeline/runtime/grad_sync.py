@@ -15,29 +15,33 @@ changes.) The verbs, in the order a step uses them:
 - ``set_requires_gradient_sync(flag)`` before every backward of the stage: True
   only for the stage's *last* gradient-producing backward (B or W) of the step,
   so earlier microbatches accumulate locally and the reduction runs once;
+- ``split_backward("input")`` / ``split_backward("weight")`` around I and W (see
+  [Note: split backwards drive the same reductions]);
 - ``finalize_backward(async_op=True)`` at REDUCE_GRAD: issue, keep the handle;
 - ``handle.wait()`` at WAIT_REDUCE_GRAD, just before the result is needed (or at
   the end of the step when the schedule has no wait action);
 - ``unshard(async_op=True)`` / ``reshard()`` at UNSHARD / RESHARD, if the wrapper
-  has them (fully_shard does, DataParallel does not need to).
+  has them (fully_shard does, DataParallel does not need to); a stage with these
+  actions has its ``set_reshard_after_forward/backward`` turned off at
+  construction, so the schedule alone decides when it is gathered.
 
 Scaling is not done here: the loss is scaled once before backward (see
 ``microbatch.py``), so reduced gradients need no further division by ``m``.
 
-[Note: W writes .grad directly]
-The split backward's W step computes weight gradients with ``autograd.grad`` and
-assigns ``param.grad`` itself (stage.py, [Note: split backward]): the parameters'
-hooks never fire, so a wrapper that launches its reduction from gradient hooks
-sees nothing during W, and torch's split helpers also clash with the wrappers'
-gradient storage (DataParallel's bucket views, fully_shard's unsharded
-parameters), failing inside the first I or W. The runtime therefore refuses, on
-every rank before any group exists, a wrapped stage whose schedule has W actions
-(ZB-H1, ZBV, DualPipeV); B-only schedules (GPipe, 1F1B, interleaved, looped BFS)
-run real backwards, whose hooks the wrappers rely on.
+[Note: split backwards drive the same reductions]
+Zero-bubble schedules (ZB-H1, ZBV, DualPipeV) run a microbatch's backward as I
+(input gradients) and, later, W (weight gradients). The runtime runs each inside
+the wrapper's ``split_backward("input")`` / ``split_backward("weight")`` (see
+[Note: split backward parts] in ``cadence/_timing.py``), and W accumulates
+through the parameters' own AccumulateGrad nodes (``split_backward.py``), so W
+launches the same per-parameter reductions a full backward would: DataParallel
+buckets, fully_shard reduce-scatters per unit. The sync flag is True only for the
+stage's last W, which is therefore the one that reduces.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from cadence._timing import GradientTiming
@@ -72,6 +76,12 @@ class StageGradSync:
         if self.timing is not None:
             self.timing.set_requires_gradient_sync(self._sync and is_last)
 
+    def split(self, part: str) -> AbstractContextManager[None]:
+        """The context one part (``"input"`` / ``"weight"``) of a split backward runs in."""
+        if self.timing is None:
+            return nullcontext()
+        return self.timing.split_backward(part)
+
     def reduce(self) -> None:
         """REDUCE_GRAD: issue the stage's reduction and keep its handle."""
         if self.timing is None or not self._sync:
@@ -101,20 +111,32 @@ class StageGradSync:
             self.reduce()
         self.wait()
 
-    def unshard(self) -> None:
-        fn = getattr(self._module, "unshard", None)
-        if fn is not None and self._unshard is None:
-            self._unshard = fn(async_op=True)
+    def take_placement(self) -> None:
+        """The schedule has UNSHARD/RESHARD for this stage: it, not the wrapper's
+        reshard-after-forward/backward flags, decides when parameters are gathered."""
+        for m in self._module.modules():
+            if not isinstance(m, GradientTiming):
+                continue
+            for verb in ("set_reshard_after_forward", "set_reshard_after_backward"):
+                fn = getattr(m, verb, None)
+                if fn is not None:
+                    fn(False, recurse=False)
 
-    def _wait_unshard(self) -> None:
-        if self._unshard is not None:
-            wait = getattr(self._unshard, "wait", None)
-            if wait is not None:
-                wait()
-            self._unshard = None
+    def unshard(self) -> None:
+        """UNSHARD: issue the all-gather (async); the first use waits for it."""
+        fn = getattr(self._module, "unshard", None)
+        if fn is None:
+            return
+        if self._unshard is not None:  # a previous step's, never resharded: done by now
+            self._unshard.wait()
+        self._unshard = fn(async_op=True)
 
     def reshard(self) -> None:
-        self._wait_unshard()
-        fn = getattr(self._module, "reshard", None)
-        if fn is not None:
-            fn()
+        """RESHARD: free every unsharded parameter of the stage (nested units included)."""
+        if self._unshard is not None:
+            self._unshard.wait()
+            self._unshard = None
+        for m in self._module.modules():
+            fn = getattr(m, "reshard", None)
+            if fn is not None and isinstance(m, GradientTiming):
+                fn()

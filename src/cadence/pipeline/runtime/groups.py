@@ -59,6 +59,7 @@ class ChannelGroups:
     pp_ranks: tuple[int, ...]
     plan: ChannelPlan
     groups: dict[Channel, dist.ProcessGroup] = field(default_factory=dict)
+    all_pp_groups: tuple[tuple[int, ...], ...] = ()  # every pp group's ranks, sorted
 
     def comms(self, event_log: EventLog | None = None) -> dict[Channel, tuple[Comm, int]]:
         """``{channel: (Comm, peer group rank)}`` for the channels this rank is on."""
@@ -95,6 +96,7 @@ def build_channel_groups(
     preconnect: bool = True,
     event_log: EventLog | None = None,
     local_error: str | None = None,
+    agree: object = None,
 ) -> ChannelGroups:
     """Vote on the plan on every rank, then create (or reuse) and preconnect the groups.
 
@@ -102,7 +104,9 @@ def build_channel_groups(
     ranks and its `ChannelPlan` (whose ``mode`` must be ``"per_directed_edge"`` or
     ``"shared"``). ``local_error``: a misuse this rank found while setting up; it
     travels with the vote so that *every* rank raises it instead of the healthy
-    ranks waiting for this one in a collective. See [Note: why the vote goes first].
+    ranks waiting for this one in a collective. ``agree``: a further value (with a
+    stable ``repr``) every rank must have passed alike, checked in the same vote.
+    See [Note: why the vote goes first].
     """
     world = Comm(None, event_log=event_log, name="pp-setup")
     pp_ranks_t = tuple(int(r) for r in pp_ranks)
@@ -115,15 +119,20 @@ def build_channel_groups(
             f"{RUNTIME_CHANNEL_MODES}"
         )
     # -- 1. the vote, before any group (see [Note: why the vote goes first])
-    everyone = world.all_gather_object((plan, pp_ranks_t, local_error))
-    errors = [(r, err) for r, (_, _, err) in enumerate(everyone) if err]
+    everyone = world.all_gather_object((plan, pp_ranks_t, local_error, repr(agree)))
+    errors = [(r, err) for r, (_, _, err, _) in enumerate(everyone) if err]
+    agreed = {a for *_, a in everyone}
+    if not errors and len(agreed) > 1:
+        errors = [
+            (r, f"pipeline options differ across ranks: {a}") for r, (*_, a) in enumerate(everyone)
+        ]
     if errors:
         raise PlanMismatchError(
             "pipeline setup failed (no group was created):\n"
             + "\n".join(f"  rank {r}: {msg}" for r, msg in errors)
         )
-    _check_plans([(p, pp) for p, pp, _ in everyone])
-    pp_groups = sorted({pp for _, pp, _ in everyone})
+    _check_plans([(p, pp) for p, pp, _, _ in everyone])
+    pp_groups = sorted({pp for _, pp, _, _ in everyone})
     # -- 2. create (collective over the world, identical order on every rank)
     backend = str(dist.get_backend())
     key = (tuple(pp_groups), plan.edges, plan.rounds, plan.mode, backend)
@@ -136,7 +145,7 @@ def build_channel_groups(
     groups = {
         ch: by_pair[(pp_ranks_t[ch[0]], pp_ranks_t[ch[1]])] for ch in plan.edges if pp_rank in ch
     }
-    result = ChannelGroups(pp_rank, pp_ranks_t, plan, groups)
+    result = ChannelGroups(pp_rank, pp_ranks_t, plan, groups, tuple(pp_groups))
     # -- 3. preconnect, so no communicator is first used inside step()
     if preconnect and not created:
         _preconnect(result, world, event_log)

@@ -18,12 +18,9 @@ step, so a sender check is also a check of what the receiver will see.
 Zero-bubble schedules split a backward into I (gradient w.r.t. the stage inputs,
 on the critical path) and W (gradient w.r.t. the weights, deferrable). I keeps the
 autograd graph alive; W later walks only the part of the graph that leads to the
-weights. We use torch's ``stage_backward_input`` / ``stage_backward_weight``
-helpers for this when they exist (they save the intermediate gradients so W does
-not redo the input half of the backward), and fall back to two plain
-``autograd.grad`` calls otherwise. W writes ``.grad`` directly, so parameter
-hooks do not fire for W: see [Note: W writes .grad directly] in ``grad_sync.py``
-for what that means for data-parallel wrappers.
+weights, and accumulates through the parameters' own AccumulateGrad nodes so that
+data-parallel wrappers see W as the parameter half of a backward: see [Note: W
+accumulates through the leaves] in ``split_backward.py``.
 """
 
 from __future__ import annotations
@@ -35,22 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
-try:  # private torch helpers; see [Note: split backward]
-    from torch.distributed.pipelining._backward import (
-        stage_backward_input as _torch_backward_input,
-    )
-    from torch.distributed.pipelining._backward import (
-        stage_backward_weight as _torch_backward_weight,
-    )
-except ImportError:  # pragma: no cover - older or newer torch without them
-    _torch_backward_input = None
-    _torch_backward_weight = None
-
 from cadence.pipeline.runtime.errors import (
     PipelineStateError,
     PipelineUsageError,
     StageShapeError,
 )
+from cadence.pipeline.runtime.split_backward import SplitBackward, backward_input
 
 __all__ = ["PipelineStage", "StageShapeError", "TensorMeta"]
 
@@ -142,8 +129,7 @@ class PipelineStage:
         self._inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self._losses: dict[int, torch.Tensor] = {}
-        self._param_groups: dict[int, Any] = {}
-        self._split_roots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor] | None]] = {}
+        self._split: dict[int, SplitBackward] = {}
 
     # -- properties -------------------------------------------------------------
 
@@ -266,36 +252,19 @@ class PipelineStage:
         inputs = self._take_inputs(mb)
         roots, rgrads = self._roots(mb, grads)
         self._outputs.pop(mb, None)
-        grad_inputs = [t for t in inputs if t.requires_grad]
-        if self.is_first or not grad_inputs or _torch_backward_input is None:
-            # Stage 0 has no input gradient to hurry: I does nothing and W runs the
-            # whole backward (as torch does). The fallback path also lands here
-            # after computing the input grads.
-            if grad_inputs and roots:
-                dins = torch.autograd.grad(
-                    roots, grad_inputs, rgrads, retain_graph=True, allow_unused=True
-                )
-                for t, d in zip(grad_inputs, dins):
-                    t.grad = d
-            self._split_roots[mb] = (roots, rgrads)
-        else:
-            _, groups = _torch_backward_input(roots, rgrads, grad_inputs, self.module.parameters())
-            self._param_groups[mb] = groups
-        return self._input_grads(inputs)
+        dins, self._split[mb] = backward_input(roots, rgrads, inputs)
+        if self.is_first:
+            return None
+        return tuple(torch.zeros_like(t) if d is None else d for t, d in zip(inputs, dins))
 
     def backward_weight(self, mb: int) -> None:
         """W: accumulate the weight gradients of ``mb`` (after its I)."""
-        if mb in self._param_groups:
-            _torch_backward_weight(self.module.parameters(), self._param_groups.pop(mb))
-        elif mb in self._split_roots:
-            roots, rgrads = self._split_roots.pop(mb)
-            params = [p for p in self.module.parameters() if p.requires_grad]
-            if roots and params:
-                torch.autograd.backward(roots, grad_tensors=rgrads, inputs=params)
-        else:
+        split = self._split.pop(mb, None)
+        if split is None:
             raise PipelineStateError(
                 f"stage {self.stage_index} microbatch {mb}: W without a preceding I"
             )
+        split.run_weight()
         self._inputs.pop(mb, None)
 
     def clear(self) -> None:
@@ -303,5 +272,4 @@ class PipelineStage:
         self._inputs.clear()
         self._outputs.clear()
         self._losses.clear()
-        self._param_groups.clear()
-        self._split_roots.clear()
+        self._split.clear()
