@@ -81,6 +81,31 @@ def add_train_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         help="DataParallel bucket size (default 0.25)",
     )
     p.add_argument("--run-dir", default="", help="default runs/<timestamp>")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        metavar="K",
+        help="checkpoint to RUN_DIR/checkpoints/step-<N> every K steps and after the last",
+    )
+    p.add_argument(
+        "--keep", type=int, default=d.keep, metavar="N", help="keep the newest N checkpoints"
+    )
+    p.add_argument(
+        "--async-checkpoint", action="store_true", help="write checkpoints in the background"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --run-dir (else start fresh)",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=d.collective_timeout,
+        metavar="S",
+        help="seconds a collective waits for its peers before the rank stops with an error",
+    )
     p.set_defaults(func=_train)
     return p
 
@@ -104,6 +129,11 @@ def _train(args: argparse.Namespace) -> int:
         model=GPTConfig(d_model=args.d_model, n_layers=args.layers),
         bucket_cap_mb=args.bucket_cap_mb,
         run_dir=args.run_dir,
+        checkpoint_every=args.checkpoint_every,
+        keep=args.keep,
+        async_checkpoint=args.async_checkpoint,
+        resume=args.resume,
+        collective_timeout=args.collective_timeout,
     )
     train(cfg)
     return 0

@@ -65,6 +65,12 @@ REFUSED = [
     ),
     (dict(pp=2, nproc=4, schedule="zbv"), "dp=2 (DataParallel stages)"),
     (dict(pp=2, fsdp=True, schedule="zb_h1"), "splits backward into I and W"),
+    (dict(checkpoint_every=-1), "--checkpoint-every and --keep must be >= 0"),
+    (dict(keep=2), "--keep need --checkpoint-every K"),
+    (dict(async_checkpoint=True), "--async-checkpoint need --checkpoint-every K"),
+    (dict(checkpoint_every=5), "--checkpoint-every needs --run-dir"),
+    (dict(resume=True), "--resume needs --run-dir"),
+    (dict(collective_timeout=0.0), "--collective-timeout must be > 0 seconds"),
 ]
 
 

@@ -100,9 +100,25 @@ class TrainConfig:
     bucket_cap_mb: float | None = None
     """DataParallel's bucket size in MiB; None means 0.25. Only with DataParallel."""
     run_dir: str = ""
-    """Where ``metrics.json`` goes; "" means ``runs/<timestamp>``."""
+    """Where ``metrics.json``, the plots and the checkpoints go; "" means
+    ``runs/<timestamp>`` (refused with checkpoints: every rank and every restart must
+    name the same folder)."""
     timeout: float = 1800.0
     """Seconds before a hung local launch is stopped."""
+    collective_timeout: float = 600.0
+    """Seconds a collective may wait for its peers before the rank stops with an error
+    naming itself, the step and the collective (a peer that stopped answering)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint to ``<run_dir>/checkpoints/step-<N>/`` every this many steps
+    (and after the last step); 0 saves none."""
+    keep: int = 0
+    """Keep only the newest this many checkpoints; 0 keeps all."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (DCP's ``async_save``): the step waits only
+    for the copy of the state, not for the disk."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``run_dir`` if there is one, else
+    start fresh: the same command serves the first launch and every restart."""
 
     def __post_init__(self) -> None:
         err = TrainConfigError
@@ -120,7 +136,32 @@ class TrainConfig:
             raise err("--microbatches and --chunks must be >= 0 (0 picks the default)")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise err(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
+        self._check_checkpointing()
         self.layout()  # everything that depends on the world size
+
+    def _check_checkpointing(self) -> None:
+        err = TrainConfigError
+        if self.collective_timeout <= 0:
+            raise err(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
+        if self.checkpoint_every < 0 or self.keep < 0:
+            raise err("--checkpoint-every and --keep must be >= 0 (0: never / keep all)")
+        if not self.checkpoint_every:
+            unused = [
+                flag
+                for flag, value in (
+                    ("--keep", self.keep),
+                    ("--async-checkpoint", self.async_checkpoint),
+                )
+                if value
+            ]
+            if unused:
+                raise err(f"{', '.join(unused)} need --checkpoint-every K (K > 0)")
+        if (self.checkpoint_every or self.resume) and not self.run_dir:
+            flag = "--resume" if self.resume else "--checkpoint-every"
+            raise err(
+                f"{flag} needs --run-dir: every rank, and every restart of the job, must "
+                "name the same folder"
+            )
 
     @property
     def world_size(self) -> int:

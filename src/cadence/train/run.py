@@ -7,6 +7,7 @@ torchrun started (when ``RANK``/``WORLD_SIZE`` are set).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,9 @@ import torch
 from cadence._dist_init import init
 from cadence.launch import launch
 from cadence.train.build import build_state, topology_for
+from cadence.train.checkpoint import Checkpointer, load_checkpoint
 from cadence.train.config import TrainConfig
+from cadence.train.history import RunHistory
 from cadence.train.loop import run_loop
 from cadence.train.report import ProgressBar, print_table, summarize, write_metrics
 
@@ -28,14 +31,31 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.nproc)))
     # Validated for the real world size before the first collective (init).
     layout = cfg.layout()
-    pg = init(topology_for(layout))
+    pg = init(topology_for(layout), timeout=cfg.collective_timeout)
     state = build_state(cfg, pg)
+    history = RunHistory()
+    if cfg.resume:
+        history, note = load_checkpoint(cfg, state)
+        if pg.rank == 0:
+            print(f"cadence train: {note}", file=sys.stderr, flush=True)
+    saver = Checkpointer(cfg, state) if cfg.checkpoint_every else None
     bar = ProgressBar(cfg.steps) if pg.rank == 0 else None
-    result = run_loop(state, cfg.steps, cfg.batch_size, bar)
+
+    def on_step(step: int, loss: float) -> None:
+        history.losses.append(loss)
+        if bar is not None:
+            bar(step, loss)
+        if saver is not None:
+            saver.after_step(history)
+
+    result = run_loop(state, max(0, cfg.steps - state.step), cfg.batch_size, on_step)
+    if saver is not None:
+        saver.close()
     log = state.event_log
     reduced = layout.wrapper != "none"
     out: dict[str, Any] = {
-        "losses": result.losses,
+        "losses": history.losses,
+        "history": history,
         "step_time_median_s": result.step_time_median_s,
         "comm_exposed_s": log.wait_time("all_reduce", "reduce_scatter")
         if reduced
@@ -47,8 +67,8 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     }
     if layout.pp > 1:
         out["pipeline"] = {
-            "first_loss": result.losses[0],
-            "final_loss": result.losses[-1],
+            "first_loss": history.losses[0],
+            "final_loss": history.losses[-1],
             "steps": cfg.steps,
             "step_time_median_s": result.step_time_median_s,
             "schedule": layout.schedule,
@@ -69,7 +89,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if int(os.environ["RANK"]) != 0:
             return {}
     else:
-        result = launch(run_rank, cfg, nprocs=cfg.nproc, timeout=cfg.timeout)[0]
+        # run_rank initialises the process group itself, with --collective-timeout.
+        result = launch(
+            run_rank, cfg, nprocs=cfg.nproc, timeout=cfg.timeout, init_process_group=False
+        )[0]
     run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(cfg, layout, result)
