@@ -42,7 +42,10 @@ def init(
             torch.cuda.set_device(local_rank)
             device_id = torch.device("cuda", local_rank)
         init_method = os.environ.get("CADENCE_INIT_METHOD")
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if init_method is None and restart is not None and "RANK" in os.environ:
+            _init_restart_scoped(chosen, int(restart), timeout, device_id)
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(
                 chosen,
                 init_method=init_method or "env://",
@@ -65,3 +68,28 @@ def init(
     topology = topology or Topology.data_parallel(world)
     topology.validate(world)
     return topology.build()
+
+
+def _init_restart_scoped(
+    backend: str, restart: int, timeout: timedelta, device_id: torch.device | None
+) -> None:
+    """Under torchrun: the default group on a store scoped to this restart attempt.
+
+    [Note: one store per restart attempt]
+    torchrun's agent keeps its rendezvous store across restarts of the workers, and
+    ``init_process_group`` writes every rank's address under the same keys each time.
+    The workers of a new attempt can then read the addresses the dead attempt left
+    and dial ports that no longer exist ("connectFullMesh ... Connection refused") or
+    wait on keys that are already set. Prefixing the store with the attempt number
+    (``TORCHELASTIC_RESTART_COUNT``, the same on every worker of an attempt) gives
+    each attempt keys no earlier attempt wrote.
+    """
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"cadence/attempt-{restart}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        device_id=device_id,
+    )

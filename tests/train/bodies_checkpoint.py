@@ -111,3 +111,24 @@ def body_rng_round_trip(run_dir: str) -> dict:
         "same_python": random.random() == expected_py,
         "draw": torch.rand(1).item(),
     }
+
+
+def body_faulty(cfg: TrainConfig, fault: str, at: int, rank: int) -> dict:
+    """``run_rank(cfg)`` where ``rank`` dies (``fault="kill"``, SIGKILL) or stops
+    answering (``fault="stall"``) just before step ``at``."""
+    import os
+    import signal
+    import time
+
+    real = loop_module.train_step
+
+    def train_step(state, x, y, reduce_loss):
+        if state.step + 1 == at and state.groups.rank == rank:
+            if fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(300)  # stopped answering; the launcher ends it
+        return real(state, x, y, reduce_loss)
+
+    loop_module.train_step = train_step
+    out = run_rank(cfg)
+    return {"losses": out["losses"], "history": out["history"]}

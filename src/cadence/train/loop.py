@@ -137,10 +137,16 @@ def _describe_timeout(
     state: TrainState, step: int, logs: tuple[EventLog, ...], exc: BaseException
 ) -> str:
     """Name this rank, the step and the collective that was still waiting for its peers."""
-    pending = [e for log in logs for e in log.collectives() if e.wait_end_t is None]
-    pending.sort(key=lambda e: e.issue_t)
-    if pending:
-        e = pending[0]
+    # Blocked in wait(): started waiting, never finished. (Events of synchronous
+    # object collectives carry no wait times at all.)
+    waiting = [
+        e
+        for log in logs
+        for e in log.collectives()
+        if e.wait_start_t is not None and e.wait_end_t is None
+    ]
+    if waiting:
+        e = max(waiting, key=lambda e: e.wait_start_t or 0.0)
         what = f"{e.kind} on group {e.group!r} ({e.numel} x {e.dtype})"
     else:
         what = "a pipeline send/recv or a collective outside the event log"

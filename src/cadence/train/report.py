@@ -95,11 +95,14 @@ def print_table(summary: dict[str, Any], run_dir: Path) -> None:
 def write_metrics(
     cfg: TrainConfig, summary: dict[str, Any], result: dict[str, Any], run_dir: Path
 ) -> Path:
-    """``run_dir/metrics.json``: config, summary, losses, collectives, pipeline facts."""
+    """``run_dir/metrics.json``: config, summary, every step's loss (from step 1, across
+    restarts), the steps checkpointed and resumed from, collectives, pipeline facts."""
     metrics = {
         "config": asdict(cfg),
         "summary": summary,
         "losses": result["losses"],
+        "checkpoints": result["history"].checkpoints,
+        "resumes": result["history"].resumes,
         "collectives_rank0": result["collectives"],
     }
     if "pipeline" in result:
