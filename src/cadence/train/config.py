@@ -18,6 +18,7 @@ WAIT_REDUCE_GRAD actions decide when reductions finish).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -116,6 +117,9 @@ class TrainConfig:
     async_checkpoint: bool = False
     """Write checkpoints in the background (DCP's ``async_save``): the step waits only
     for the copy of the state, not for the disk."""
+    tensorboard: bool = False
+    """Rank 0 also writes the loss to TensorBoard event files in ``<run_dir>/tensorboard``
+    (needs the ``tensorboard`` package)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in ``run_dir`` if there is one, else
     start fresh: the same command serves the first launch and every restart."""
@@ -141,6 +145,11 @@ class TrainConfig:
 
     def _check_checkpointing(self) -> None:
         err = TrainConfigError
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise err(
+                "--tensorboard needs the tensorboard package, which torch.utils.tensorboard "
+                "writes through: pip install tensorboard (or drop the flag)"
+            )
         if self.collective_timeout <= 0:
             raise err(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
         if self.checkpoint_every < 0 or self.keep < 0:

@@ -1,4 +1,4 @@
-"""What a run shows and keeps: the progress bar, the summary table, ``metrics.json``.
+"""What a run shows and keeps: the progress display, the summary table, ``metrics.json``.
 
 Rank 0 reports. The summary is a plain dict (JSON-ready); ``metrics.json`` holds
 the config, the summary, every step's loss and rank 0's collective counts.
@@ -14,32 +14,45 @@ from pathlib import Path
 from typing import Any
 
 from cadence.train.config import Layout, TrainConfig
+from cadence.train.config_file import config_to_toml
 
-__all__ = ["ProgressBar", "print_table", "summarize", "write_metrics"]
+__all__ = ["Progress", "print_table", "summarize", "write_config", "write_metrics"]
 
 
-class ProgressBar:
-    """A progress bar on a terminal; one line per tenth of the run in a log file."""
+class Progress:
+    """Rank 0's progress: a tqdm bar on a terminal, one plain log line per tenth of the
+    run otherwise (a log file or CI gets no carriage returns or bar redraws).
 
-    def __init__(self, total: int) -> None:
+    ``start`` is the step a resumed run continues from: the bar starts there.
+    """
+
+    def __init__(self, total: int, start: int = 0, *, tty: bool | None = None) -> None:
         self.total = total
+        self.tty = sys.stderr.isatty() if tty is None else tty
         self.started = time.perf_counter()
+        self.start = start
+        self._bar: Any = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
     def __call__(self, step: int, loss: float) -> None:
-        total = self.total
-        tty = sys.stderr.isatty()
-        if not tty and (step + 1) % max(1, total // 10) and step + 1 != total:
+        done = step + 1
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            if done == self.total:
+                self._bar.close()
             return
-        width = 30
-        done = int(width * (step + 1) / total)
-        rate = (step + 1) / max(time.perf_counter() - self.started, 1e-9)
-        sys.stderr.write(
-            f"{chr(13) if tty else ''}[{'#' * done}{'.' * (width - done)}] step {step + 1}/"
-            f"{total}  loss {loss:.4f}  {rate:.1f} it/s"
+        if done % max(1, self.total // 10) and done != self.total:
+            return
+        rate = (done - self.start) / max(time.perf_counter() - self.started, 1e-9)
+        print(
+            f"step {done}/{self.total}  loss {loss:.4f}  {rate:.1f} steps/s",
+            file=sys.stderr,
+            flush=True,
         )
-        if step + 1 == total or not tty:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[str, Any]:
@@ -109,4 +122,11 @@ def write_metrics(
         metrics["pipeline"] = result["pipeline"]
     path = run_dir / "metrics.json"
     path.write_text(json.dumps(metrics, indent=2))
+    return path
+
+
+def write_config(cfg: TrainConfig, run_dir: Path) -> Path:
+    """``run_dir/config.toml``: the resolved options (``--config`` takes it back)."""
+    path = run_dir / "config.toml"
+    path.write_text(config_to_toml(cfg))
     return path
