@@ -122,3 +122,18 @@ def test_parser_defaults_are_the_config_defaults() -> None:
     args = build_parser().parse_args(["train"])
     assert (args.steps, args.batch_size, args.pp, args.schedule) == (150, 32, 1, "")
     assert args.bucket_cap_mb is None and args.layers == 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs tensorboard")
+def test_tensorboard_gets_one_point_per_step(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    small = ["--nproc", "2", "--batch-size", "8", "--d-model", "16", "--layers", "2"]
+    assert main(["train", *small, "--steps", "4", "--run-dir", str(run), "--tensorboard"]) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    losses = json.loads((run / "metrics.json").read_text())["losses"]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (i + 1, pytest.approx(x)) for i, x in enumerate(losses)
+    ]
