@@ -135,6 +135,11 @@ def add_train_subcommand(
         help="seconds a collective waits for its peers before the rank stops with an error",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="precompile the forward once per data-parallel group (cadence.precompile)",
+    )
+    p.add_argument(
         "--tensorboard",
         action="store_true",
         help="also write TensorBoard event files to RUN_DIR/tensorboard",

@@ -82,7 +82,10 @@ def _ms(value: float) -> str:
     return "n/a" if value != value else f"{value:.1f} ms"
 
 
-def print_table(summary: dict[str, Any], run_dir: Path) -> None:
+def print_table(
+    summary: dict[str, Any], run_dir: Path, precompile: list[dict[str, Any]] | None = None
+) -> None:
+    """The summary table; with ``--compile``, each rank's precompile source and seconds."""
     rows = [
         ("mode", summary["mode"]),
         ("wrapper", summary["wrapper"]),
@@ -97,6 +100,15 @@ def print_table(summary: dict[str, Any], run_dir: Path) -> None:
         ("comm hidden (total)", _ms(summary["comm_hidden_ms_total"])),
         ("run folder", str(run_dir)),
     ]
+    for rank, p in enumerate(precompile or []):
+        rows.insert(
+            -1,
+            (
+                f"precompile rank {rank}",
+                f"{p['source']}  compile {p['compile_s']:.2f} s  load {p['load_s']:.2f} s  "
+                f"wait {p['wait_s']:.2f} s",
+            ),
+        )
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 30)
     print(line)
@@ -118,8 +130,9 @@ def write_metrics(
         "resumes": result["history"].resumes,
         "collectives_rank0": result["collectives"],
     }
-    if "pipeline" in result:
-        metrics["pipeline"] = result["pipeline"]
+    for key in ("pipeline", "precompile"):
+        if key in result:
+            metrics[key] = result[key]
     path = run_dir / "metrics.json"
     path.write_text(json.dumps(metrics, indent=2))
     return path

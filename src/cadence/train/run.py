@@ -41,6 +41,12 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         history, note = load_checkpoint(cfg, state)
         if pg.rank == 0:
             print(f"cadence train: {note}", file=sys.stderr, flush=True)
+    compiled: list[Any] | None = None
+    if cfg.compile:
+        from cadence.train.compile import compile_state  # imports the precompile stack
+
+        compiled = [None] * pg.world_size
+        dist.all_gather_object(compiled, compile_state(cfg, state))
     saver = Checkpointer(cfg, state) if cfg.checkpoint_every else None
     bar = Progress(cfg.steps, state.step) if pg.rank == 0 else None
     board = _tensorboard(cfg, state.step) if cfg.tensorboard and pg.rank == 0 else None
@@ -76,6 +82,8 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         "collectives": log.counts(),
         "timeline": timeline,
     }
+    if compiled is not None:
+        out["precompile"] = compiled
     if layout.pp > 1:
         out["pipeline"] = {
             "first_loss": history.losses[0],
@@ -125,5 +133,5 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     plots = write_plots(run_dir, result["history"], result["timeline"])
     if isinstance(plots, str):
         print(f"cadence train: {plots}", file=sys.stderr)
-    print_table(summary, run_dir)
+    print_table(summary, run_dir, result.get("precompile"))
     return summary
