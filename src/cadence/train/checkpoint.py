@@ -165,9 +165,7 @@ def find_latest(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The newest complete checkpoint in ``run_dir`` (or None), and a line per newer
     folder that was skipped, saying why. See [Note: a checkpoint counts only once complete]."""
     root = checkpoint_dir(run_dir)
-    skipped = [
-        f"{p.name}: an unfinished save" for p in sorted(root.glob(".step-*.tmp")) if root.is_dir()
-    ]
+    skipped = [f"{p.name}: an unfinished save" for p in sorted(root.glob(".step-*.tmp"))]
     for _, folder in reversed(_step_folders(root)):
         why = _why_incomplete(folder)
         if why is None:
@@ -282,8 +280,6 @@ class Checkpointer:
     def save(self, history: RunHistory) -> None:
         self.wait()
         step = history.step
-        if history.checkpoints and history.checkpoints[-1] == step:
-            return  # resumed from this very step: it is on disk already
         history.checkpoints.append(step)
         model_sd, optim_sd = get_state_dict(_stateful_root(self.state), self.state.optimizer)
         sd = {

@@ -42,8 +42,6 @@ class Progress:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            if done == self.total:
-                self._bar.close()
             return
         if done % max(1, self.total // 10) and done != self.total:
             return
@@ -53,6 +51,10 @@ class Progress:
             file=sys.stderr,
             flush=True,
         )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[str, Any]:

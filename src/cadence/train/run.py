@@ -63,6 +63,8 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     result = run_loop(state, max(0, cfg.steps - state.step), cfg.batch_size, on_step)
     if saver is not None:
         saver.close()
+    if bar is not None:
+        bar.close()
     if board is not None:
         board.close()
     log = state.event_log
@@ -113,7 +115,9 @@ def _tensorboard(cfg: TrainConfig, start: int) -> Any:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run ``cadence train``; rank 0 writes ``metrics.json``, ``config.toml``, the
     plots, and returns the summary."""
-    if not cfg.run_dir:  # resolved once, so every rank writes into the same folder
+    # Resolved before the launch, so the launched ranks share it. (Under torchrun each
+    # process resolves its own; only rank 0 writes, and checkpoints need --run-dir.)
+    if not cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     layout = cfg.layout()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
