@@ -7,12 +7,14 @@ tests/pipeline/schedule/test_show.py.)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from cadence.cli import build_parser, main
+from cadence.cli import _config_file_defaults, build_parser, main
+from cadence.models.config import GPTConfig
 from cadence.train.config import TrainConfigError
 
 
@@ -34,6 +36,8 @@ def test_train_loss_falls(tmp_path: Path, flags: list[str], capsys) -> None:
     assert metrics["config"]["steps"] == 30
     table = capsys.readouterr().out
     assert "last loss" in table and str(run) in table
+    _assert_pngs(run)
+    assert "steps = 30" in (run / "config.toml").read_text()
     if "--pp" in flags:
         assert metrics["summary"]["mode"] == "pipeline"
         assert metrics["pipeline"]["schedule"] == "interleaved"
@@ -42,6 +46,67 @@ def test_train_loss_falls(tmp_path: Path, flags: list[str], capsys) -> None:
     else:
         assert metrics["summary"]["mode"] == "DataParallel"
         assert metrics["collectives_rank0"]["all_reduce"] > 0
+
+
+def _assert_pngs(run: Path) -> None:
+    """loss.png and timeline.png are real pictures matplotlib reads back."""
+    import matplotlib.image
+
+    for name in ("loss.png", "timeline.png"):
+        data = (run / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", name
+        height, width, _ = matplotlib.image.imread(run / name).shape
+        assert height > 100 and width > 300, name
+
+
+def test_config_file_round_trip_and_flags_win(tmp_path: Path) -> None:
+    from cadence.train.config import TrainConfig
+    from cadence.train.config_file import config_to_toml, read_config_file
+
+    cfg = TrainConfig(steps=7, pp=2, fsdp=True, run_dir="r", model=GPTConfig(d_model=16, n_heads=2))
+    path = tmp_path / "c.toml"
+    path.write_text(config_to_toml(cfg))
+    assert TrainConfig(**read_config_file(path)) == cfg
+    # the file fills the defaults; a flag on the command line wins
+    args = build_parser(_config_file_defaults(["train", "--config", str(path)])).parse_args(
+        ["train", "--config", str(path), "--steps", "3"]
+    )
+    assert (args.steps, args.pp, args.fsdp, args.run_dir) == (3, 2, True, "r")
+    assert args.model_base.n_heads == 2 and args.d_model == 16
+
+
+def test_config_file_misuse_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nstepz = 3\n")
+    with pytest.raises(TrainConfigError, match="unknown key\\(s\\) stepz in \\[train\\]"):
+        main(["train", "--config", str(bad)])
+    bad.write_text("steps = 3\n")
+    with pytest.raises(TrainConfigError, match="expected one \\[train\\] table"):
+        main(["train", "--config", str(bad)])
+    bad.write_text("[train]\nsteps = \n")
+    with pytest.raises(TrainConfigError, match="not valid TOML"):
+        main(["train", "--config", str(bad)])
+    with pytest.raises(TrainConfigError, match="no such file"):
+        main(["train", "--config", str(tmp_path / "missing.toml")])
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed"
+)
+def test_tensorboard_without_the_package_is_refused() -> None:
+    with pytest.raises(TrainConfigError, match="--tensorboard needs the tensorboard package"):
+        main(["train", "--tensorboard"])
+
+
+def test_progress_plain_mode_logs_a_line_per_tenth(capsys) -> None:
+    from cadence.train.report import Progress
+
+    progress = Progress(20, start=0, tty=False)
+    for step in range(20):
+        progress(step, 1.0 + step)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 10 and lines[0].startswith("step 2/20  loss 2.0000")
+    assert all("\r" not in line for line in lines)
 
 
 def test_bad_flags_raise_clear_errors_before_launch() -> None:
@@ -57,3 +122,18 @@ def test_parser_defaults_are_the_config_defaults() -> None:
     args = build_parser().parse_args(["train"])
     assert (args.steps, args.batch_size, args.pp, args.schedule) == (150, 32, 1, "")
     assert args.bucket_cap_mb is None and args.layers == 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="needs tensorboard")
+def test_tensorboard_gets_one_point_per_step(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    small = ["--nproc", "2", "--batch-size", "8", "--d-model", "16", "--layers", "2"]
+    assert main(["train", *small, "--steps", "4", "--run-dir", str(run), "--tensorboard"]) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    losses = json.loads((run / "metrics.json").read_text())["losses"]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (i + 1, pytest.approx(x)) for i, x in enumerate(losses)
+    ]

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from cadence.errors import CadenceRuntimeError
 from cadence.topology import ParallelGroups, Topology
 
 __all__ = ["init"]
+
+# Where rank 0 of a torchrun attempt publishes its store; see [Note: one store per
+# restart attempt]. Seconds a rank tries one published address before reading again.
+_STORE_KEY = "cadence/attempt-store"
+_CONNECT_S = 2.0
 
 
 def init(
@@ -42,7 +50,10 @@ def init(
             torch.cuda.set_device(local_rank)
             device_id = torch.device("cuda", local_rank)
         init_method = os.environ.get("CADENCE_INIT_METHOD")
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if init_method is None and agent_store and "RANK" in os.environ:
+            _init_on_fresh_store(chosen, timeout, device_id)
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(
                 chosen,
                 init_method=init_method or "env://",
@@ -65,3 +76,54 @@ def init(
     topology = topology or Topology.data_parallel(world)
     topology.validate(world)
     return topology.build()
+
+
+def _init_on_fresh_store(backend: str, timeout: timedelta, device_id: torch.device | None) -> None:
+    """Under torchrun's shared agent store: the default group on a store of this attempt.
+
+    [Note: one store per restart attempt]
+    torchrun's agent keeps one store for the whole job (``TORCHELASTIC_USE_AGENT_STORE``),
+    and ``init_process_group`` writes every rank's address under the same keys in every
+    attempt. The workers of a restarted attempt can then read the addresses a dead
+    attempt left and dial ports that no longer exist ("connectFullMesh ... Connection
+    refused") or wait on keys already set. Prefixing the keys with
+    ``TORCHELASTIC_RESTART_COUNT`` is not enough: each agent counts its own restarts,
+    and an agent that restarts its workers because another node failed does not count,
+    so two nodes can disagree on the attempt number.
+
+    So rank 0 of each attempt hosts a new store, which holds no key of an earlier
+    attempt, and publishes its address in the agent's store. A rank that reads an
+    earlier attempt's address finds nothing listening there (torchrun stops every
+    worker of an attempt before the next starts) and reads again until it connects.
+    """
+    agent, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    if rank == 0:
+        host = socket.getfqdn()
+        store = dist.TCPStore(
+            host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        agent.set(_STORE_KEY, f"{host}:{store.port}")
+    else:
+        store = _connect_to_attempt_store(agent, world, timeout)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
+    )
+
+
+def _connect_to_attempt_store(agent: dist.Store, world: int, timeout: timedelta) -> dist.Store:
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        host, port = agent.get(_STORE_KEY).decode().rsplit(":", 1)
+        try:
+            store = dist.TCPStore(
+                host, int(port), world, is_master=False, timeout=timedelta(seconds=_CONNECT_S)
+            )
+        except (RuntimeError, TimeoutError) as exc:  # an earlier attempt's address
+            if time.monotonic() > deadline:
+                raise CadenceRuntimeError(
+                    f"could not reach rank 0's store at {host}:{port} within {timeout}: {exc}"
+                ) from exc
+            time.sleep(_CONNECT_S / 4)
+            continue
+        store.set_timeout(timeout)  # the short timeout was for connecting only
+        return store

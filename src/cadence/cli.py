@@ -16,13 +16,13 @@ installed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
 from cadence.bench._run import KINDS as BENCH_KINDS  # torch-free, like this parser
 from cadence.errors import CadenceValueError
-from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import SCHEDULE_NAMES
 from cadence.train.config import TrainConfig
@@ -36,30 +36,58 @@ __all__ = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(train_defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+    """The ``cadence`` parser; ``train_defaults`` (from ``--config``) replace the
+    defaults of ``cadence train``, so flags on the command line still win."""
     parser = argparse.ArgumentParser(
         prog="cadence",
         description="Distributed training in which the caller owns the timing.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    add_train_subcommand(sub)
+    add_train_subcommand(sub, train_defaults)
     add_schedule_subcommand(sub)
     add_bench_subcommand(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_config_file_defaults(argv)).parse_args(argv)
     return int(args.func(args) or 0)
+
+
+def _config_file_defaults(argv: list[str]) -> dict[str, Any] | None:
+    """``cadence train --config FILE``: the file's values as parser defaults."""
+    if not argv or argv[0] != "train":
+        return None
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv[1:])
+    if known.config is None:
+        return None
+    from cadence.train.config_file import read_config_file
+
+    table = read_config_file(known.config)
+    model = table.pop("model", None)
+    if model is not None:
+        table.update(model_base=model, d_model=model.d_model, layers=model.n_layers)
+    return table
 
 
 # -- cadence train ----------------------------------------------------------------
 
 
-def add_train_subcommand(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``train`` to an argparse sub-parser collection."""
+def add_train_subcommand(
+    subparsers: Any, defaults: dict[str, Any] | None = None
+) -> argparse.ArgumentParser:
+    """Add ``train`` to an argparse sub-parser collection (``defaults``: see `build_parser`)."""
     p = subparsers.add_parser("train", help="train the embedded TinyGPT on N local ranks")
     d = TrainConfig()
+    p.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="options from a TOML file ([train] table); flags given here win",
+    )
     p.add_argument(
         "--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)"
     )
@@ -100,32 +128,55 @@ def add_train_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         help="DataParallel bucket size (default 0.25)",
     )
     p.add_argument("--run-dir", default="", help="default runs/<timestamp>")
-    p.set_defaults(func=_train)
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=d.checkpoint_every,
+        metavar="K",
+        help="checkpoint to RUN_DIR/checkpoints/step-<N> every K steps and after the last",
+    )
+    p.add_argument(
+        "--keep", type=int, default=d.keep, metavar="N", help="keep the newest N checkpoints"
+    )
+    p.add_argument(
+        "--async-checkpoint", action="store_true", help="write checkpoints in the background"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in --run-dir (else start fresh)",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=d.collective_timeout,
+        metavar="S",
+        help="seconds a collective waits for its peers before the rank stops with an error",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="precompile the forward once per data-parallel group (cadence.precompile)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard event files to RUN_DIR/tensorboard",
+    )
+    # Options without a flag (a config file may set them), and the file's model shape.
+    p.set_defaults(func=_train, timeout=d.timeout, model_base=d.model)
+    p.set_defaults(**(defaults or {}))
     return p
 
 
 def _train(args: argparse.Namespace) -> int:
     from cadence.train.run import train  # imports torch: only when training runs
 
-    cfg = TrainConfig(
-        nproc=args.nproc,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        seed=args.seed,
-        finalize=args.finalize,
-        fsdp=args.fsdp,
-        mixed_precision=args.mixed_precision,
-        dp_replicate=args.dp_replicate,
-        pp=args.pp,
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-        chunks=args.chunks,
-        model=GPTConfig(d_model=args.d_model, n_layers=args.layers),
-        bucket_cap_mb=args.bucket_cap_mb,
-        run_dir=args.run_dir,
-    )
-    train(cfg)
+    model = dataclasses.replace(args.model_base, d_model=args.d_model, n_layers=args.layers)
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"
+    }
+    train(TrainConfig(**values, model=model))
     return 0
 
 

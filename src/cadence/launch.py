@@ -32,6 +32,9 @@ __all__ = ["LaunchError", "RankFailure", "launch"]
 
 _POLL_S = 0.02
 _GRACE_S = 2.0
+# How long the supervisor waits, once a rank failed, for others to show how they
+# failed; see `_failed_ranks`.
+_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -197,19 +200,36 @@ def _failed_at(work: Path, rank: int) -> float:
     return float("-inf")
 
 
+def _poll(procs: list[subprocess.Popen[bytes]], work: Path) -> tuple[list[int], list[int]]:
+    """(running ranks, failed ranks). A rank that wrote its error is failed even while
+    it is still tearing down."""
+    running, failed = [], []
+    for rank, proc in enumerate(procs):
+        code = proc.poll()
+        if (work / f"error.{rank}").exists() or (code is not None and code != 0):
+            failed.append(rank)
+        if code is None:
+            running.append(rank)
+    return running, failed
+
+
+def _failed_ranks(procs: list[subprocess.Popen[bytes]], work: Path) -> list[int]:
+    """Every failed rank, after a short settling time.
+
+    A SIGKILLed rank closes its sockets before its exit status can be read, so its
+    peers can raise "Connection reset by peer" and write their errors while it still
+    looks alive: without the wait, the peer would be blamed for the death.
+    """
+    time.sleep(_SETTLE_S)
+    return _poll(procs, work)[1]
+
+
 def _supervise(procs: list[subprocess.Popen[bytes]], work: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        running = []
-        failed = []
-        for rank, proc in enumerate(procs):
-            code = proc.poll()
-            # A rank that wrote its error is failed even while it is still tearing down.
-            if (work / f"error.{rank}").exists() or (code is not None and code != 0):
-                failed.append(rank)
-            if code is None:
-                running.append(rank)
+        running, failed = _poll(procs, work)
         if failed:
+            failed = _failed_ranks(procs, work)
             # The rank that failed first is the cause; ranks whose collectives broke
             # because of it fail moments later.
             first_rank = min(failed, key=lambda r: _failed_at(work, r))

@@ -67,6 +67,12 @@ REFUSED = [
         dict(pp=2, schedule="interleaved", chunks=4),
         "--layers 4 gives fewer blocks than the 8 pipeline stages",
     ),
+    (dict(checkpoint_every=-1), "--checkpoint-every and --keep must be >= 0"),
+    (dict(keep=2), "--keep need --checkpoint-every K"),
+    (dict(async_checkpoint=True), "--async-checkpoint need --checkpoint-every K"),
+    (dict(checkpoint_every=5), "--checkpoint-every needs --run-dir"),
+    (dict(resume=True), "--resume needs --run-dir"),
+    (dict(collective_timeout=0.0), "--collective-timeout must be > 0 seconds"),
 ]
 
 

@@ -6,7 +6,11 @@ Modules, one concern each (each importing only those before it):
 - ``build``: the model, its data-parallel wrapper, the pipeline, the optimizer,
   gathered in a `TrainState`.
 - ``loop``: `train_step` (one optimizer step, any layout) and `run_loop`.
-- ``report``: progress bar, summary table, ``metrics.json``.
+- ``history``: `RunHistory`, the losses and events carried across restarts.
+- ``checkpoint``: DCP checkpoints (atomic commit, ``--keep``, async) and resume.
+- ``compile``: ``--compile`` (precompile the wrapped forward).
+- ``config_file``, ``plots``: ``--config`` TOML in and out; ``loss.png``, ``timeline.png``.
+- ``report``: progress, summary table, ``metrics.json``, ``config.toml``.
 - ``run``: `run_rank` (one rank's run) and `train` (launch, run, report).
 
 Names are imported on first use, so reading `TrainConfig` does not import torch.
@@ -19,6 +23,13 @@ from typing import TYPE_CHECKING
 from cadence._lazy import lazy_getattr
 
 _LAZY = {
+    "CheckpointError": "cadence.train.checkpoint:CheckpointError",
+    "Checkpointer": "cadence.train.checkpoint:Checkpointer",
+    "CollectiveTimeoutError": "cadence.train.loop:CollectiveTimeoutError",
+    "ResumeRefusedError": "cadence.train.checkpoint:ResumeRefusedError",
+    "RunHistory": "cadence.train.history:RunHistory",
+    "find_latest": "cadence.train.checkpoint:find_latest",
+    "load_checkpoint": "cadence.train.checkpoint:load_checkpoint",
     "Layout": "cadence.train.config:Layout",
     "TrainConfig": "cadence.train.config:TrainConfig",
     "TrainConfigError": "cadence.train.config:TrainConfigError",
@@ -36,16 +47,31 @@ __getattr__ = lazy_getattr("cadence.train", _LAZY, globals(), _MOVED)
 
 if TYPE_CHECKING:  # static tools see the eager imports
     from cadence.train.build import TrainState, build_state
+    from cadence.train.checkpoint import (
+        Checkpointer,
+        CheckpointError,
+        ResumeRefusedError,
+        find_latest,
+        load_checkpoint,
+    )
     from cadence.train.config import Layout, TrainConfig, TrainConfigError
-    from cadence.train.loop import run_loop, train_step
+    from cadence.train.history import RunHistory
+    from cadence.train.loop import CollectiveTimeoutError, run_loop, train_step
     from cadence.train.run import run_rank, train
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CollectiveTimeoutError",
     "Layout",
+    "ResumeRefusedError",
+    "RunHistory",
     "TrainConfig",
     "TrainConfigError",
     "TrainState",
     "build_state",
+    "find_latest",
+    "load_checkpoint",
     "run_loop",
     "run_rank",
     "train",

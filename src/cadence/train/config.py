@@ -18,6 +18,7 @@ WAIT_REDUCE_GRAD actions decide when reductions finish).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -105,9 +106,32 @@ class TrainConfig:
     sharding over ``dp / dp_replicate`` ranks (gradients reduce-scattered in a replica,
     then all-reduced across replicas). 1: plain fully_shard over all dp ranks."""
     run_dir: str = ""
-    """Where ``metrics.json`` goes; "" means ``runs/<timestamp>``."""
+    """Where ``metrics.json``, the plots and the checkpoints go; "" means
+    ``runs/<timestamp>`` (refused with checkpoints: every rank and every restart must
+    name the same folder)."""
     timeout: float = 1800.0
     """Seconds before a hung local launch is stopped."""
+    collective_timeout: float = 600.0
+    """Seconds a collective may wait for its peers before the rank stops with an error
+    naming itself, the step and the collective (a peer that stopped answering)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint to ``<run_dir>/checkpoints/step-<N>/`` every this many steps
+    (and after the last step); 0 saves none."""
+    keep: int = 0
+    """Keep only the newest this many checkpoints; 0 keeps all."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background (DCP's ``async_save``): the step waits only
+    for the copy of the state, not for the disk."""
+    compile: bool = False
+    """Precompile the forward of the wrapped model (or of each local pipeline stage)
+    with `cadence.precompile_module`: one compile per data-parallel group, cached in
+    ``<run_dir>/precompile``. Not with ``fsdp`` yet."""
+    tensorboard: bool = False
+    """Rank 0 also writes the loss to TensorBoard event files in ``<run_dir>/tensorboard``
+    (needs the ``tensorboard`` package)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in ``run_dir`` if there is one, else
+    start fresh: the same command serves the first launch and every restart."""
 
     def __post_init__(self) -> None:
         err = TrainConfigError
@@ -131,7 +155,43 @@ class TrainConfig:
             )
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise err(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
+        self._check_checkpointing()
         self.layout()  # everything that depends on the world size
+
+    def _check_checkpointing(self) -> None:
+        err = TrainConfigError
+        if self.compile and self.fsdp:
+            raise err(
+                "--compile with --fsdp is not supported yet: fully_shard generates its module "
+                "classes per process, so a rank that receives the compiled forward fails "
+                "Dynamo's class-identity guard. Drop --compile, or train without --fsdp"
+            )
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise err(
+                "--tensorboard needs the tensorboard package, which torch.utils.tensorboard "
+                "writes through: pip install tensorboard (or drop the flag)"
+            )
+        if self.collective_timeout <= 0:
+            raise err(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
+        if self.checkpoint_every < 0 or self.keep < 0:
+            raise err("--checkpoint-every and --keep must be >= 0 (0: never / keep all)")
+        if not self.checkpoint_every:
+            unused = [
+                flag
+                for flag, value in (
+                    ("--keep", self.keep),
+                    ("--async-checkpoint", self.async_checkpoint),
+                )
+                if value
+            ]
+            if unused:
+                raise err(f"{', '.join(unused)} need --checkpoint-every K (K > 0)")
+        if (self.checkpoint_every or self.resume) and not self.run_dir:
+            flag = "--resume" if self.resume else "--checkpoint-every"
+            raise err(
+                f"{flag} needs --run-dir: every rank, and every restart of the job, must "
+                "name the same folder"
+            )
 
     @property
     def world_size(self) -> int:

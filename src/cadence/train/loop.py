@@ -17,10 +17,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cadence.comm import Comm
+from cadence.comm import Comm, EventLog
+from cadence.errors import CadenceError
 from cadence.train.build import TrainState, loss_fn
 
-__all__ = ["LoopResult", "run_loop", "train_step"]
+__all__ = ["CollectiveTimeoutError", "LoopResult", "run_loop", "train_step"]
+
+
+class CollectiveTimeoutError(CadenceError, TimeoutError):
+    """A collective of a step waited longer than ``--collective-timeout`` for its peers."""
 
 
 @dataclass
@@ -40,8 +45,11 @@ class _LossReducer:
 
     def __init__(self, state: TrainState) -> None:
         pg, layout = state.groups, state.layout
-        self.pp = Comm(pg.pp, name="pp-loss") if layout.pp > 1 else None
-        self.dp = Comm(pg.dp, name="dp-loss") if layout.dp > 1 else None
+        # Its own log: the wrappers' log measures gradient reductions only, but a
+        # timeout report must name these collectives too.
+        self.log = EventLog(capacity=8)
+        self.pp = Comm(pg.pp, name="pp-loss", event_log=self.log) if layout.pp > 1 else None
+        self.dp = Comm(pg.dp, name="dp-loss", event_log=self.log) if layout.dp > 1 else None
         self.owner = 0
         if state.runtime is not None:
             self.owner = state.runtime.placement[state.runtime.num_stages - 1]
@@ -108,9 +116,42 @@ def run_loop(
         step = state.step
         t0 = time.perf_counter()
         x, y = state.data.batch(step, batch_size)
-        loss = train_step(state, x[rows], y[rows], reduce_loss)
+        state.event_log.mark("step", step=step + 1)
+        try:
+            loss = train_step(state, x[rows], y[rows], reduce_loss)
+        except RuntimeError as exc:  # torch's DistBackendError is a RuntimeError
+            if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                raise
+            raise CollectiveTimeoutError(
+                _describe_timeout(state, step + 1, (state.event_log, reduce_loss.log), exc)
+            ) from exc
+        state.event_log.mark("step_end", step=step + 1)
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(loss)
         if on_step is not None:
             on_step(step, loss)
     return result
+
+
+def _describe_timeout(
+    state: TrainState, step: int, logs: tuple[EventLog, ...], exc: BaseException
+) -> str:
+    """Name this rank, the step and the collective that was still waiting for its peers."""
+    # Blocked in wait(): started waiting, never finished. (Events of synchronous
+    # object collectives carry no wait times at all.)
+    waiting = [
+        e
+        for log in logs
+        for e in log.collectives()
+        if e.wait_start_t is not None and e.wait_end_t is None
+    ]
+    if waiting:
+        e = max(waiting, key=lambda e: e.wait_start_t or 0.0)
+        what = f"{e.kind} on group {e.group!r} ({e.numel} x {e.dtype})"
+    else:
+        what = "a pipeline send/recv or a collective outside the event log"
+    return (
+        f"rank {state.groups.rank} timed out in step {step} waiting for its peers in {what}: "
+        f"a peer rank stopped answering (hung, or stopped). Raise --collective-timeout if "
+        f"the peers are only slow. Backend error: {str(exc).splitlines()[0]}"
+    )

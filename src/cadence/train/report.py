@@ -1,4 +1,4 @@
-"""What a run shows and keeps: the progress bar, the summary table, ``metrics.json``.
+"""What a run shows and keeps: the progress display, the summary table, ``metrics.json``.
 
 Rank 0 reports. The summary is a plain dict (JSON-ready); ``metrics.json`` holds
 the config, the summary, every step's loss and rank 0's collective counts.
@@ -14,32 +14,47 @@ from pathlib import Path
 from typing import Any
 
 from cadence.train.config import Layout, TrainConfig
+from cadence.train.config_file import config_to_toml
 
-__all__ = ["ProgressBar", "print_table", "summarize", "write_metrics"]
+__all__ = ["Progress", "print_table", "summarize", "write_config", "write_metrics"]
 
 
-class ProgressBar:
-    """A progress bar on a terminal; one line per tenth of the run in a log file."""
+class Progress:
+    """Rank 0's progress: a tqdm bar on a terminal, one plain log line per tenth of the
+    run otherwise (a log file or CI gets no carriage returns or bar redraws).
 
-    def __init__(self, total: int) -> None:
+    ``start`` is the step a resumed run continues from: the bar starts there.
+    """
+
+    def __init__(self, total: int, start: int = 0, *, tty: bool | None = None) -> None:
         self.total = total
+        self.tty = sys.stderr.isatty() if tty is None else tty
         self.started = time.perf_counter()
+        self.start = start
+        self._bar: Any = None
+        if self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
     def __call__(self, step: int, loss: float) -> None:
-        total = self.total
-        tty = sys.stderr.isatty()
-        if not tty and (step + 1) % max(1, total // 10) and step + 1 != total:
+        done = step + 1
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             return
-        width = 30
-        done = int(width * (step + 1) / total)
-        rate = (step + 1) / max(time.perf_counter() - self.started, 1e-9)
-        sys.stderr.write(
-            f"{chr(13) if tty else ''}[{'#' * done}{'.' * (width - done)}] step {step + 1}/"
-            f"{total}  loss {loss:.4f}  {rate:.1f} it/s"
+        if done % max(1, self.total // 10) and done != self.total:
+            return
+        rate = (done - self.start) / max(time.perf_counter() - self.started, 1e-9)
+        print(
+            f"step {done}/{self.total}  loss {loss:.4f}  {rate:.1f} steps/s",
+            file=sys.stderr,
+            flush=True,
         )
-        if step + 1 == total or not tty:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +84,10 @@ def _ms(value: float) -> str:
     return "n/a" if value != value else f"{value:.1f} ms"
 
 
-def print_table(summary: dict[str, Any], run_dir: Path) -> None:
+def print_table(
+    summary: dict[str, Any], run_dir: Path, precompile: list[dict[str, Any]] | None = None
+) -> None:
+    """The summary table; with ``--compile``, each rank's precompile source and seconds."""
     rows = [
         ("mode", summary["mode"]),
         ("wrapper", summary["wrapper"]),
@@ -84,6 +102,15 @@ def print_table(summary: dict[str, Any], run_dir: Path) -> None:
         ("comm hidden (total)", _ms(summary["comm_hidden_ms_total"])),
         ("run folder", str(run_dir)),
     ]
+    for rank, p in enumerate(precompile or []):
+        rows.insert(
+            -1,
+            (
+                f"precompile rank {rank}",
+                f"{p['source']}  compile {p['compile_s']:.2f} s  load {p['load_s']:.2f} s  "
+                f"wait {p['wait_s']:.2f} s",
+            ),
+        )
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 30)
     print(line)
@@ -95,15 +122,26 @@ def print_table(summary: dict[str, Any], run_dir: Path) -> None:
 def write_metrics(
     cfg: TrainConfig, summary: dict[str, Any], result: dict[str, Any], run_dir: Path
 ) -> Path:
-    """``run_dir/metrics.json``: config, summary, losses, collectives, pipeline facts."""
+    """``run_dir/metrics.json``: config, summary, every step's loss (from step 1, across
+    restarts), the steps checkpointed and resumed from, collectives, pipeline facts."""
     metrics = {
         "config": asdict(cfg),
         "summary": summary,
         "losses": result["losses"],
+        "checkpoints": result["history"].checkpoints,
+        "resumes": result["history"].resumes,
         "collectives_rank0": result["collectives"],
     }
-    if "pipeline" in result:
-        metrics["pipeline"] = result["pipeline"]
+    for key in ("pipeline", "precompile"):
+        if key in result:
+            metrics[key] = result[key]
     path = run_dir / "metrics.json"
     path.write_text(json.dumps(metrics, indent=2))
+    return path
+
+
+def write_config(cfg: TrainConfig, run_dir: Path) -> Path:
+    """``run_dir/config.toml``: the resolved options (``--config`` takes it back)."""
+    path = run_dir / "config.toml"
+    path.write_text(config_to_toml(cfg))
     return path

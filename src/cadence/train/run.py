@@ -6,19 +6,25 @@ torchrun started (when ``RANK``/``WORLD_SIZE`` are set).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cadence._dist_init import init
 from cadence.launch import launch
 from cadence.train.build import build_state, topology_for
+from cadence.train.checkpoint import Checkpointer, load_checkpoint
 from cadence.train.config import TrainConfig
+from cadence.train.history import RunHistory
 from cadence.train.loop import run_loop
-from cadence.train.report import ProgressBar, print_table, summarize, write_metrics
+from cadence.train.plots import timeline_events, write_plots
+from cadence.train.report import Progress, print_table, summarize, write_config, write_metrics
 
 __all__ = ["run_rank", "train"]
 
@@ -28,14 +34,46 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.nproc)))
     # Validated for the real world size before the first collective (init).
     layout = cfg.layout()
-    pg = init(topology_for(layout))
+    pg = init(topology_for(layout), timeout=cfg.collective_timeout)
     state = build_state(cfg, pg)
-    bar = ProgressBar(cfg.steps) if pg.rank == 0 else None
-    result = run_loop(state, cfg.steps, cfg.batch_size, bar)
+    history = RunHistory()
+    if cfg.resume:
+        history, note = load_checkpoint(cfg, state)
+        if pg.rank == 0:
+            print(f"cadence train: {note}", file=sys.stderr, flush=True)
+    compiled: list[Any] | None = None
+    if cfg.compile:
+        from cadence.train.compile import compile_state  # imports the precompile stack
+
+        compiled = [None] * pg.world_size
+        dist.all_gather_object(compiled, compile_state(cfg, state))
+    saver = Checkpointer(cfg, state) if cfg.checkpoint_every else None
+    bar = Progress(cfg.steps, state.step) if pg.rank == 0 else None
+    board = _tensorboard(cfg, state.step) if cfg.tensorboard and pg.rank == 0 else None
+
+    def on_step(step: int, loss: float) -> None:
+        history.losses.append(loss)
+        if bar is not None:
+            bar(step, loss)
+        if board is not None:
+            board.add_scalar("loss", loss, step + 1)
+        if saver is not None:
+            saver.after_step(history)
+
+    result = run_loop(state, max(0, cfg.steps - state.step), cfg.batch_size, on_step)
+    if saver is not None:
+        saver.close()
+    if bar is not None:
+        bar.close()
+    if board is not None:
+        board.close()
     log = state.event_log
+    timeline: list[Any] = [None] * pg.world_size
+    dist.all_gather_object(timeline, timeline_events(log))
     reduced = layout.wrapper != "none"
     out: dict[str, Any] = {
-        "losses": result.losses,
+        "losses": history.losses,
+        "history": history,
         "step_time_median_s": result.step_time_median_s,
         "comm_exposed_s": log.wait_time("all_reduce", "reduce_scatter")
         if reduced
@@ -44,11 +82,14 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         if reduced
         else float("nan"),
         "collectives": log.counts(),
+        "timeline": timeline,
     }
+    if compiled is not None:
+        out["precompile"] = compiled
     if layout.pp > 1:
         out["pipeline"] = {
-            "first_loss": result.losses[0],
-            "final_loss": result.losses[-1],
+            "first_loss": history.losses[0],
+            "final_loss": history.losses[-1],
             "steps": cfg.steps,
             "step_time_median_s": result.step_time_median_s,
             "schedule": layout.schedule,
@@ -61,18 +102,40 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     return out
 
 
+def _tensorboard(cfg: TrainConfig, start: int) -> Any:
+    """Rank 0's TensorBoard writer. After a resume, ``purge_step`` drops the points a
+    lost attempt logged past the checkpoint, so the curve has one point per step."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(
+        log_dir=str(Path(cfg.run_dir) / "tensorboard"), purge_step=start + 1 if start else None
+    )
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run ``cadence train``; returns rank 0's summary and writes ``metrics.json``."""
+    """Run ``cadence train``; rank 0 writes ``metrics.json``, ``config.toml``, the
+    plots, and returns the summary."""
+    # Resolved before the launch, so the launched ranks share it. (Under torchrun each
+    # process resolves its own; only rank 0 writes, and checkpoints need --run-dir.)
+    if not cfg.run_dir:
+        cfg = dataclasses.replace(cfg, run_dir=f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     layout = cfg.layout()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         result = run_rank(cfg)
         if int(os.environ["RANK"]) != 0:
             return {}
     else:
-        result = launch(run_rank, cfg, nprocs=cfg.nproc, timeout=cfg.timeout)[0]
-    run_dir = Path(cfg.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        # run_rank initialises the process group itself, with --collective-timeout.
+        result = launch(
+            run_rank, cfg, nprocs=cfg.nproc, timeout=cfg.timeout, init_process_group=False
+        )[0]
+    run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(cfg, layout, result)
     write_metrics(cfg, summary, result, run_dir)
-    print_table(summary, run_dir)
+    write_config(cfg, run_dir)
+    plots = write_plots(run_dir, result["history"], result["timeline"])
+    if isinstance(plots, str):
+        print(f"cadence train: {plots}", file=sys.stderr)
+    print_table(summary, run_dir, result.get("precompile"))
     return summary
