@@ -26,6 +26,7 @@ offers, and refuses what torch cannot do rather than doing something else:
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -124,6 +125,20 @@ class _TorchTiming:
                 )
 
         return optimizer.register_step_pre_hook(_check)
+
+    # torch's wrappers end (reduce, reshard) at the end of every autograd call, so
+    # the input half of a split backward would finish a backward whose weight half
+    # has not run. Checked before any group exists by the pipeline runtime.
+    splits_backward = False
+
+    def split_backward(self, part: str) -> AbstractContextManager[None]:
+        raise CadenceRuntimeError(
+            f"split_backward({part!r}) on a {self.kind}: torch's wrapper finishes its "
+            "reduction at the end of every autograd call, so the input part of a split "
+            "backward would reduce before the weight part ran. Fix: wrap the stage with "
+            "cadence.DataParallel / cadence.fully_shard for zero-bubble schedules (ZB-H1, "
+            "ZBV, DualPipeV), or use a schedule without I/W actions."
+        )
 
     def reset_iter_state(self) -> None:
         self._owed = False

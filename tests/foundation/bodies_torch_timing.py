@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cadence
+from cadence.pipeline.runtime.grad_sync import StageGradSync
 from cadence.testing import max_abs_diff
 from tests.fsdp.bodies_parity import _Counter
 from tests.fsdp.common import (
@@ -105,6 +106,11 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
         lambda: timings[0].set_requires_gradient_sync(False), "set it before the forward"
     )
     loss.backward()
+    # Zero-bubble split backwards: refused by the adapter, and up front by the pipeline.
+    out["split"] = _error(
+        lambda: timings[0].split_backward("input"), "every autograd call", "cadence.DataParallel"
+    )
+    out["split_refusal"] = [StageGradSync(m).split_refusal() for m in (ddp, ours)]
     return out
 
 

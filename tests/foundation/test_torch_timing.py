@@ -35,3 +35,11 @@ def test_ddp_driven_by_the_verbs(r: dict[str, Any]) -> None:
     assert d["ddp_all_reduces"] == 1, d  # one bucket, synced on the last microbatch only
     assert d["parity"] < 1e-6, d  # the same gradients as cadence.DataParallel
     assert d["flip_after_forward"] == "ok", d["flip_after_forward"]
+
+
+def test_split_backward_refused_for_torch_wrappers(r: dict[str, Any]) -> None:
+    d = r["ddp"]
+    assert d["split"] == "ok", d["split"]
+    theirs, ours = d["split_refusal"]
+    assert "torch wrapper" in theirs and "cadence.DataParallel" in theirs, theirs
+    assert ours is None

@@ -164,7 +164,7 @@ class PipelineRuntime:
             tied = find_tied(ties, {s: st.module for s, st in self.stages.items()})
         except PipelineUsageError as e:
             tie_error, tied = str(e), {}
-        local_error = self._stage_mismatch() or tie_error
+        local_error = self._stage_mismatch() or tie_error or self._split_refusal()
         self._last_backward = self._find_last_backwards()
         for s in {a.stage for a in self.actions if a.kind in (K.UNSHARD, K.RESHARD)}:
             if s in self._sync:
@@ -232,6 +232,16 @@ class PipelineRuntime:
         for st in self.stages.values():
             if st.num_stages != self.num_stages:
                 return f"{st} says num_stages={st.num_stages}, the schedule has {self.num_stages}"
+        return None
+
+    def _split_refusal(self) -> str | None:
+        split = {
+            c.stage for a in self.actions for c in a.compute_parts() if c.kind in (K.I, K.W)
+        }
+        for s in sorted(split & set(self._sync)):
+            why = self._sync[s].split_refusal()
+            if why is not None:
+                return f"stage {s}: {why}"
         return None
 
     def _channel(self, a: Action) -> tuple[int, int]:

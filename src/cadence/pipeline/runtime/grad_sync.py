@@ -76,6 +76,17 @@ class StageGradSync:
         if self.timing is not None:
             self.timing.set_requires_gradient_sync(self._sync and is_last)
 
+    def split_refusal(self) -> str | None:
+        """Why this stage cannot run a split (I/W) backward, or None if it can."""
+        if self.timing is None or getattr(self.timing, "splits_backward", True):
+            return None
+        return (
+            f"{type(self._module).__name__} is a torch wrapper, which finishes its reduction "
+            "at the end of every autograd call, so it cannot run this schedule's split "
+            "(I/W) backward; wrap the stage with cadence.DataParallel or "
+            "cadence.fully_shard, or use a schedule without I/W actions"
+        )
+
     def split(self, part: str) -> AbstractContextManager[None]:
         """The context one part (``"input"`` / ``"weight"``) of a split backward runs in."""
         if self.timing is None:
