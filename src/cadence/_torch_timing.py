@@ -11,10 +11,17 @@ delegates to it. On torch 2.13 it keeps the meaning of every verb with what torc
 offers, and refuses what torch cannot do rather than doing something else:
 
 - ``set_requires_gradient_sync``: FSDP2 reads its flag when each group's backward
-  runs, as the verb says. DDP reads ``require_backward_grad_sync`` at *forward*;
-  the adapter applies the flag at each forward, and refuses a change between a
-  forward and its backward that would give that backward another decision than
-  the one DDP already took (set it before the forward).
+  runs, as the verb says. DDP reads ``require_backward_grad_sync`` at *forward*
+  and arms its reducer there, so a pipeline (forwards of several microbatches,
+  then their backwards, the flag on only for the last) cannot tell it which
+  backward reduces. The adapter therefore runs every DDP forward with the flag
+  off and arms the reducer itself when a backward *starts* with sync on
+  (``reducer.prepare_for_backward``, from a hook on the forward's output, with
+  that forward's outputs when ``find_unused_parameters`` needs them): exactly
+  what DDP's forward would have done, taken at the time cadence's wrappers take
+  it. With ``static_graph`` DDP's first iterations depend on the forward's
+  decision, so there the flag is applied at forward, and a change between a
+  forward and its backward is refused (set it before the forward).
 - Manual finalization: torch 2.13 finalizes every syncing backward itself at its
   end, so the reduced gradients are always written when backward returns; the
   caller's ``finalize_backward`` then has nothing left to wait and returns a
@@ -57,18 +64,23 @@ class _TorchTiming:
     # -- bookkeeping hooks ------------------------------------------------------
 
     def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        self._watch(output, allowed=True)
+
+    def _watch(self, output: Any, *, allowed: bool) -> None:
+        """Call `_backward_started` when the backward of this forward's output starts.
+        ``allowed``: False when the wrapper's own flag said no sync at this forward."""
         if not torch.is_grad_enabled():
             return
         self._armed_sync = self._sync
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         for t in tensors:
             if t.requires_grad:
-                t.register_hook(self._backward_started)
+                t.register_hook(lambda _grad: self._backward_started(tensors, allowed))
                 break
 
-    def _backward_started(self, grad: torch.Tensor) -> None:
+    def _backward_started(self, outputs: list[torch.Tensor], allowed: bool) -> None:
         # A syncing backward reduces what earlier no-sync backwards accumulated too.
-        self._owed = not self._sync
+        self._owed = not (self._sync and allowed)
         self._armed_sync = None
 
     # -- the verbs --------------------------------------------------------------
@@ -185,11 +197,37 @@ class _DDPTiming(_TorchTiming):
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__(module)
-        # DDP reads its flag at forward: apply ours just before each forward.
+        # See [Note: driving torch's wrappers with the timing verbs]: the decision
+        # is taken when a backward starts, except under static_graph.
+        self._at_backward = not getattr(module, "static_graph", False)
+        self._user_flag = True
         module.register_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, *_: Any) -> None:
-        self.module.require_backward_grad_sync = self._sync
+        ddp: Any = self.module
+        if not self._at_backward:
+            ddp.require_backward_grad_sync = self._sync
+            return
+        # DDP's own flag (set by the script, or by ``no_sync()``) still counts: it
+        # is read here, as DDP reads it, and put back after the forward.
+        self._user_flag = bool(ddp.require_backward_grad_sync)
+        ddp.require_backward_grad_sync = False
+
+    def _after_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        allowed = True
+        if self._at_backward:
+            allowed = self._user_flag
+            self.module.require_backward_grad_sync = allowed
+        self._watch(output, allowed=allowed)
+
+    def _backward_started(self, outputs: list[torch.Tensor], allowed: bool) -> None:
+        super()._backward_started(outputs, allowed)
+        ddp: Any = self.module
+        if not (self._at_backward and self._sync and allowed):
+            return
+        # What DDP's forward does with the flag on (DistributedDataParallel._post_forward).
+        ddp.require_forward_param_sync = True
+        ddp.reducer.prepare_for_backward(outputs if ddp.find_unused_parameters else [])
 
     def _native_manual(self, enabled: bool) -> None:
         if hasattr(self.module, "require_manual_backward_finalization"):
@@ -201,16 +239,17 @@ class _DDPTiming(_TorchTiming):
 
     def _apply_sync(self, recurse: bool) -> None:
         armed = self._armed_sync
-        if armed is not None and armed != self._sync:
+        if not self._at_backward and armed is not None and armed != self._sync:
             self._sync = armed
             raise CadenceRuntimeError(
                 "set_requires_gradient_sync() between a forward and its backward on torch "
-                "DistributedDataParallel: DDP took the sync decision at that forward "
-                f"(sync={armed}), so the backward would not follow the new flag. Fix: set "
-                "it before the forward (or use cadence.DataParallel, which decides when "
-                "the backward starts)."
+                "DistributedDataParallel with static_graph=True: DDP took the sync "
+                f"decision at that forward (sync={armed}), so the backward would not follow "
+                "the new flag. Fix: set it before the forward (or use cadence.DataParallel, "
+                "which decides when the backward starts)."
             )
-        self.module.require_backward_grad_sync = self._sync
+        if not self._at_backward:
+            self.module.require_backward_grad_sync = self._sync
 
 
 def gradient_timing(module: Any) -> GradientTiming | None:

@@ -101,9 +101,31 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
         {n: p.grad for n, p in ddp.named_parameters()},
         {n: p.grad for n, p in ours.named_parameters()},
     )
-    loss = F.mse_loss(ddp(x.chunk(world)[rank]), y.chunk(world)[rank])
+    # The decision is taken when the backward starts, as on cadence's wrappers: a
+    # flag turned off after the forward keeps that backward local...
+    xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
+    calls.clear()
+    loss = F.mse_loss(ddp(xr), yr)
+    timings[0].set_requires_gradient_sync(False)
+    loss.backward()
+    out["off_after_forward_all_reduces"] = len(calls)
+    # ... and turned back on before the next backward, that one reduces (both).
+    loss = F.mse_loss(ddp(xr), yr)
+    timings[0].set_requires_gradient_sync(True)
+    loss.backward()
+    out["on_after_forward_all_reduces"] = len(calls)
+    # DDP's own no_sync() is still honoured (decided at its forward, as DDP does).
+    with ddp.no_sync():
+        loss = F.mse_loss(ddp(xr), yr)
+    loss.backward()
+    out["no_sync_all_reduces"] = len(calls) - 1
+    out["flag_restored"] = ddp.require_backward_grad_sync
+    # static_graph: DDP's first iterations need the decision at forward; a flip refused.
+    static = DDP(copy.deepcopy(base), static_graph=True)
+    st = cadence.gradient_timing(static)
+    loss = F.mse_loss(static(xr), yr)
     out["flip_after_forward"] = _error(
-        lambda: timings[0].set_requires_gradient_sync(False), "set it before the forward"
+        lambda: st.set_requires_gradient_sync(False), "set it before the forward"
     )
     loss.backward()
     # Zero-bubble split backwards: refused by the adapter, and up front by the pipeline.

@@ -34,6 +34,9 @@ def test_ddp_driven_by_the_verbs(r: dict[str, Any]) -> None:
     assert d["ours_is_itself"]
     assert d["ddp_all_reduces"] == 1, d  # one bucket, synced on the last microbatch only
     assert d["parity"] < 1e-6, d  # the same gradients as cadence.DataParallel
+    assert d["off_after_forward_all_reduces"] == 0, d
+    assert d["on_after_forward_all_reduces"] == 1, d
+    assert d["no_sync_all_reduces"] == 0 and d["flag_restored"] is True, d
     assert d["flip_after_forward"] == "ok", d["flip_after_forward"]
 
 
