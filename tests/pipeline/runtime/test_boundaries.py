@@ -9,7 +9,9 @@ all-reduce when the copies are on different ranks (1F1B, interleaved) and locall
 when one rank holds both (ZBV, DualPipeV place stage 0 and the last stage on rank 0).
 The same under the shared channel mode, and with ``batch_p2p=True``, where each run
 of consecutive sends/receives is posted as one batch per communicator: the same
-ops (two per transfer), in fewer posts.
+ops (two per transfer), in fewer posts where a run has several (shared mode). And
+ZBV with ``batch_p2p=True`` under per-direction communicators (activations and
+gradients in separate batches).
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ def test_multi_tensor_boundaries_and_tied_weights_world2():
     assert shared  # 1F1B and ZB-H1 at least
     results = run_distributed(body_world2, SCHEDULES, shared, world_size=2, timeout=150)
     for rank, res in enumerate(results):
-        assert len(res) == len(SCHEDULES) + 2 + 2 * len(shared)
+        assert len(res) == len(SCHEDULES) + 2 + 2 * len(shared) + 1
         for label, r in res.items():
             assert r["p2p_ops"] == 2 * r["transfers"] > 0, (label, r)
             if "batch=True" in label:  # one post per run per communicator, never more
                 assert 0 < r["batches"] <= r["transfers"], (label, r)
-                if "shared" in label:
+                if "shared" in label and r["longest_run"] > 1:
                     assert r["batches"] < r["transfers"], (label, r)
             else:
                 assert r["batches"] == 0, (label, r)
