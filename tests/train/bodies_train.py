@@ -30,6 +30,8 @@ def run(cfg: TrainConfig) -> dict:
         "modules": wrapped,
         "step": state.step,
         "collectives": state.event_log.counts(),
+        # fully_shard units on this rank (each block and each stage / the model)
+        "units": sum(len(m._units(recurse=True)) for m in state.modules if hasattr(m, "_units")),
     }
 
 

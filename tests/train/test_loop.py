@@ -70,6 +70,10 @@ def test_world4_layouts_train_alike():
     assert zbv_fsdp["wrapper"] == "fully_shard" and len(zbv_fsdp["modules"]) == 2
     assert zbh1_dp["wrapper"] == "DataParallel" and zbh1_dp["modules"] == ["DataParallel"]
     assert zbv_hsdp["collectives"].get("all_reduce", 0) > 0  # across the replicas
+    for sharded in (pp2_fsdp, zbv_fsdp):
+        # the schedule gathers each fully_shard unit once per step (UNSHARD/RESHARD)
+        assert sharded["units"] > 0
+        assert sharded["collectives"]["all_gather"] == sharded["step"] * sharded["units"]
     for other in (pp2_dp, pp2_fsdp, pp4, zbv_fsdp, zbh1_dp, zbv_hsdp):
         # the loss curve of one process on the same global batches, to 1e-5 relative
         rel = max(abs(a - b) / abs(b) for a, b in zip(other["losses"], dp4["losses"]))
