@@ -130,6 +130,7 @@ def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
         chunks=layout.chunks,
         groups=pg,
         loss_fn=loss_fn,
+        channel_mode=cfg.channel_mode or "per_directed_edge",  # type: ignore[arg-type]
         unshard_lookahead=UNSHARD_LOOKAHEAD if layout.wrapper == "fully_shard" else None,
     )
     modules = [runtime.stages[s].module for s in sorted(runtime.stages)]
