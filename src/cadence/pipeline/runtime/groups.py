@@ -121,9 +121,10 @@ def build_channel_groups(
     """Vote on the plan on every rank, then create (or reuse) and preconnect the groups.
 
     Collective over the default group: every rank calls it with its own pp group's
-    ranks and its `ChannelPlan` (any ``mode`` of ``CHANNEL_MODES``). ``local_error``: a misuse this rank found while setting up; it
-    travels with the vote so that *every* rank raises it instead of the healthy
-    ranks waiting for this one in a collective. ``agree``: a further value (with a
+    ranks and its `ChannelPlan` (any mode of ``CHANNEL_MODES``). ``local_error``: a
+    misuse this rank found while setting up; it travels with the vote so that
+    *every* rank raises it instead of the healthy ranks waiting for this one in a
+    collective. ``agree``: a further value (with a
     stable ``repr``) every rank must have passed alike, checked in the same vote.
     See [Note: why the vote goes first].
     """
@@ -214,11 +215,11 @@ def _create(
     plan: ChannelPlan,
     backend: str,
     pp_group: dist.ProcessGroup | None,
-) -> dict[tuple[Channel, Payload], dist.ProcessGroup]:
+) -> dict[Route, dist.ProcessGroup]:
     """``{(global pair, payload): group}`` for every pp group's routes this rank is on."""
     routes = _routes(plan)
     me = dist.get_rank()
-    out: dict[tuple[Channel, Payload], dist.ProcessGroup] = {}
+    out: dict[Route, dist.ProcessGroup] = {}
 
     def keep(pp: tuple[int, ...], pick: Callable[[Channel, Payload], dist.ProcessGroup]) -> None:
         for (a, b), payload in routes:
