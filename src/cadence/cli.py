@@ -119,6 +119,12 @@ def add_train_subcommand(
     p.add_argument(
         "--chunks", type=int, default=d.chunks, help="with --pp: stages per rank; 0 = default"
     )
+    p.add_argument(
+        "--channel-mode",
+        default=d.channel_mode,
+        choices=["", *CHANNEL_MODES],
+        help="with --pp: P2P communicators (per_directed_edge)",
+    )
     p.add_argument("--d-model", type=int, default=d.model.d_model)
     p.add_argument("--layers", type=int, default=d.model.n_layers)
     p.add_argument(

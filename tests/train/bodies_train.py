@@ -30,6 +30,9 @@ def run(cfg: TrainConfig) -> dict:
         "modules": wrapped,
         "step": state.step,
         "collectives": state.event_log.counts(),
+        # fully_shard units on this rank (each block and each stage / the model)
+        "channel_mode": state.runtime.plan.mode if state.runtime is not None else "",
+        "units": sum(len(m._units(recurse=True)) for m in state.modules if hasattr(m, "_units")),
     }
 
 

@@ -55,6 +55,8 @@ REFUSED = [
     (dict(bucket_cap_mb=0.0), "--bucket-cap-mb must be > 0"),
     (dict(schedule="zbv"), "--schedule need --pp > 1"),
     (dict(microbatches=4, chunks=2), "--microbatches, --chunks need --pp > 1"),
+    (dict(channel_mode="shared"), "--channel-mode need --pp > 1"),
+    (dict(pp=2, channel_mode="ring"), "--channel-mode must be one of shared, per_direction"),
     (dict(fsdp=True, bucket_cap_mb=1.0), "--bucket-cap-mb sets DataParallel's buckets"),
     (dict(pp=2, bucket_cap_mb=1.0), "this run wraps with none"),
     (dict(pp=3), "--pp 3 must divide the world size 2"),

@@ -20,6 +20,7 @@ WORLD2 = [
     {},
     {"finalize": "manual"},
     {"fsdp": True, "mixed_precision": "bf16", "steps": 12},
+    {"pp": 2, "channel_mode": "per_direction"},
 ]
 WORLD4 = [
     {},
@@ -41,10 +42,17 @@ def _by_flags(results: list[dict]) -> list[dict]:
     return list(results[0].values())
 
 
-def test_world2_finalize_modes_and_fsdp_bf16():
-    auto, manual, bf16 = _by_flags(run_distributed(body_layouts, WORLD2, world_size=2, timeout=150))
+def test_world2_finalize_modes_fsdp_bf16_and_channel_mode():
+    auto, manual, bf16, per_direction = _by_flags(
+        run_distributed(body_layouts, WORLD2, world_size=2, timeout=150)
+    )
     assert auto["modules"] == ["DataParallel"] and auto["step"] == 3
     assert manual["losses"] == auto["losses"]
+    # --pp 2 --channel-mode per_direction: the runtime's plan has that mode, and the
+    # loss curve is one process's (DP 2 here) to 1e-5 relative
+    assert per_direction["channel_mode"] == "per_direction"
+    rel = max(abs(a - b) / abs(b) for a, b in zip(per_direction["losses"], auto["losses"]))
+    assert rel < 1e-5, (per_direction, auto)
     assert bf16["modules"] == ["FullyShardTinyGPT"] and bf16["wrapper"] == "fully_shard"
     assert bf16["losses"][0] > 3.5 and bf16["losses"][-1] < bf16["losses"][0] - 0.5
 
@@ -70,6 +78,10 @@ def test_world4_layouts_train_alike():
     assert zbv_fsdp["wrapper"] == "fully_shard" and len(zbv_fsdp["modules"]) == 2
     assert zbh1_dp["wrapper"] == "DataParallel" and zbh1_dp["modules"] == ["DataParallel"]
     assert zbv_hsdp["collectives"].get("all_reduce", 0) > 0  # across the replicas
+    for sharded in (pp2_fsdp, zbv_fsdp):
+        # the schedule gathers each fully_shard unit once per step (UNSHARD/RESHARD)
+        assert sharded["units"] > 0
+        assert sharded["collectives"]["all_gather"] == sharded["step"] * sharded["units"]
     for other in (pp2_dp, pp2_fsdp, pp4, zbv_fsdp, zbh1_dp, zbv_hsdp):
         # the loss curve of one process on the same global batches, to 1e-5 relative
         rel = max(abs(a - b) / abs(b) for a, b in zip(other["losses"], dp4["losses"]))

@@ -10,7 +10,7 @@ A flag the loop cannot honour is refused here, with the flag's name and the fix,
 before any process starts or any collective runs: a silently ignored flag makes a
 run that differs from the one asked for. So flags that only one layout uses have
 an "unset" default (``schedule=""``, ``microbatches=0``, ``chunks=0``,
-``bucket_cap_mb=None``) and are refused when set for another layout, e.g.
+``channel_mode=""``, ``bucket_cap_mb=None``) and are refused when set for another layout, e.g.
 ``--schedule`` without ``--pp``, ``--bucket-cap-mb`` with ``--fsdp``, or
 ``--finalize manual`` with ``--pp`` (there the schedule's REDUCE_GRAD and
 WAIT_REDUCE_GRAD actions decide when reductions finish).
@@ -25,6 +25,7 @@ from typing import Literal
 
 from cadence.errors import CadenceError
 from cadence.models.config import GPTConfig
+from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import canonical_name, default_chunks, generate
 
 __all__ = ["Layout", "TrainConfig", "TrainConfigError"]
@@ -97,6 +98,10 @@ class TrainConfig:
     """Microbatches per step; 0 means ``2 x pp``. Only with ``pp > 1``."""
     chunks: int = 0
     """Stages per pipeline rank; 0 means the schedule's default. Only with ``pp > 1``."""
+    channel_mode: str = ""
+    """The pipeline's P2P communicators: per_directed_edge, per_direction (two per
+    pipeline, for NCCL users who cap communicators) or shared; "" means
+    per_directed_edge. Only with ``pp > 1``."""
     model: GPTConfig = field(default_factory=GPTConfig)
     """The TinyGPT shape; with ``pp > 1`` it needs at least one block per stage."""
     bucket_cap_mb: float | None = None
@@ -152,6 +157,11 @@ class TrainConfig:
         if self.dp_replicate > 1 and not self.fsdp:
             raise err(
                 "--dp-replicate (HSDP) needs --fsdp: DataParallel replicates every rank already"
+            )
+        if self.channel_mode and self.channel_mode not in CHANNEL_MODES:
+            raise err(
+                f"--channel-mode must be one of {', '.join(CHANNEL_MODES)}, "
+                f"got {self.channel_mode!r}"
             )
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise err(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
@@ -236,6 +246,7 @@ class TrainConfig:
                 ("--schedule", self.schedule),
                 ("--microbatches", self.microbatches),
                 ("--chunks", self.chunks),
+                ("--channel-mode", self.channel_mode),
             )
             if value
         ]

@@ -16,6 +16,7 @@ from cadence import EventLog
 from cadence.fsdp import fully_shard
 from cadence.models import MarkovTokens
 from cadence.pipeline.runtime import build_pipeline
+from cadence.pipeline.runtime.executor import _p2p_runs
 from cadence.pipeline.schedule import placement_for
 from cadence.testing import max_abs_diff, run_subtests
 
@@ -123,6 +124,8 @@ def case(
         "transfers": len(transfers),
         "p2p_ops": len(p2p),  # two tensors per boundary: two ops per transfer
         "batches": rt.p2p_batches,
+        # the longest run of consecutive SEND/RECV actions (what one batch can hold)
+        "longest_run": max(len(r) for r in _p2p_runs(rt.actions).values()),
     }
 
 
@@ -134,8 +137,10 @@ def body_world2(schedules: list[tuple[str, int]], shared: list[tuple[str, int]])
     batched = {"name_v": schedules, "mode": [edge], "batch": [True]}
     single = {"name_v": [("1f1b", 1), ("zbv", 2)], "mode": [edge], "batch": [False]}
     one_group = {"name_v": shared, "mode": ["shared"], "batch": [False, True]}
+    per_direction = {"name_v": [("zbv", 2)], "mode": ["per_direction"], "batch": [True]}
     return {
         **run_subtests(batched, one),
         **run_subtests(single, one),
         **run_subtests(one_group, one),
+        **run_subtests(per_direction, one),
     }

@@ -188,12 +188,14 @@ def placed_case(pg, name: str) -> dict:
     return out
 
 
-def body_placement(names: list[str], tied: list[tuple[str, int]]) -> dict:
+def body_placement(names: list[str], tied: list[tuple[str, int]], lowered: dict) -> dict:
     from tests.pipeline.runtime.bodies_boundaries import case
+    from tests.pipeline.runtime.bodies_unshard import placement_case
 
     pg = cadence.init(cadence.Topology(dp_shard=2, pp=2))
     return {
         "placed": run_subtests({"name": names}, placed_case, pg),
+        "lowered": run_subtests(lowered, placement_case, pg),
         # fully_shard stages with a weight tied across stages: the sharded copies sum
         "tied": run_subtests({"name_v": tied}, lambda name_v: case(*name_v, pg=pg, wrap=True)),
     }

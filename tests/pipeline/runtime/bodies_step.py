@@ -27,6 +27,7 @@ from cadence.pipeline.schedule import (
     placement_for,
 )
 from cadence.testing import max_abs_diff, named_grads, run_subtests
+from tests.pipeline.runtime.bodies_channel_modes import mode_case
 from tests.pipeline.runtime.bodies_groups import body_diverge
 
 
@@ -151,12 +152,15 @@ def misuse() -> dict[str, str]:
         "bad_source": _error(build("gpipe", n_microbatches=2, source="jax")),
         "k_zero": _error(build("gpipe", n_microbatches=2, max_outstanding_reductions=0)),
         "k_lowered": _error(build(low, max_outstanding_reductions=2)),
+        "lookahead_negative": _error(build("gpipe", n_microbatches=2, unshard_lookahead=-1)),
+        "lookahead_bool": _error(build("gpipe", n_microbatches=2, unshard_lookahead=True)),
+        "lookahead_lowered": _error(build(low, unshard_lookahead=1)),
         "tie_one_stage": _error(build(low, tied_parameters=[[(0, "a"), (0, "b")]])),
         "tie_no_param": _error(build(low, tied_parameters=[[(0, "nope"), (1, "nope")]])),
         "stage_count": _error(lambda: build_pipeline("1f1b", chunks[:3], n_microbatches=2)),
         "missing_stage": _error(lambda: build_pipeline(low, {0: chunks[0]})),
         "bad_input_meta": _error(build(low, input_meta={9: TensorMeta((1,), torch.float32)})),
-        "per_direction": _error(lambda: PipelineRuntime(low, mine, channel_mode="per_direction")),
+        "bad_mode": _error(lambda: PipelineRuntime(low, mine, channel_mode="ring")),  # type: ignore[arg-type]
         "compute_only": _error(lambda: PipelineRuntime(generate("gpipe", p, 2), mine)),
         "wrong_pp": _error(lambda: PipelineRuntime(lower(generate("gpipe", 2 * p, 4)), mine)),
         "not_a_schedule": _error(lambda: PipelineRuntime({0: []}, mine)),  # type: ignore[arg-type]
@@ -196,6 +200,11 @@ def body_runtime_world2() -> dict:
     """Everything above in one launch (a process start costs more than each check)."""
     return {
         "behaviour": run_subtests({"name": ["interleaved", "zbv"]}, behaviour, v=2),
+        # per-direction groups at world 2 (pp 4 and pp 2 x dp 2: test_channel_modes.py)
+        "channel_modes": run_subtests(
+            {"name_v": [("1f1b", 1), ("interleaved", 2), ("zbv", 2)]},
+            lambda name_v: mode_case(*name_v, pg=None),
+        ),
         "fifo_swap": fifo_swap_refused(),
         "diverge": diverge(),
         "diverge_channels": body_diverge(),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.testing import run_distributed
+from cadence.testing import max_abs_diff, run_distributed
 from tests.pipeline.runtime.bodies_grad_sync import (
     SCHEDULES,
     body_placement,
@@ -78,11 +78,32 @@ def test_unshard_reshard_actions_gather_once_per_step():
     """UNSHARD/RESHARD in the schedule (hand-inserted at the start and end of each
     rank's list) replace on-demand gathering: one all-gather per stage per step
     instead of one per forward, parameters kept unsharded through the last B or W
-    (split backwards included) and freed at RESHARD; gradients unchanged. In the
-    same launch: fully_shard stages with a weight tied across stages."""
+    (split backwards included) and freed at RESHARD; gradients unchanged. The same
+    placed by ``build_pipeline(unshard_lookahead=1)`` for stages of nested units (as
+    ``cadence train --fsdp`` wraps them). In the same launch: fully_shard stages with
+    a weight tied across stages."""
     tied = [("1f1b", 1), ("zbv", 2)]
-    results = run_distributed(body_placement, ["1f1b", "zb_h1"], tied, world_size=4, timeout=200)
+    lowered = {"name_v": [("1f1b", 1), ("zbv", 2)], "lookahead": [None, 1]}
+    results = run_distributed(
+        body_placement, ["1f1b", "zb_h1"], tied, lowered, world_size=4, timeout=200
+    )
     for rank, res in enumerate(results):
+        rows = res["lowered"]
+        for name_v in lowered["name_v"]:
+            on_demand = rows[f"name_v={name_v},lookahead=None"]
+            placed = rows[f"name_v={name_v},lookahead=1"]
+            where = (rank, name_v)
+            # placed by build_pipeline(unshard_lookahead=1): one all-gather per
+            # fully_shard unit (each block and the stage) per step; on demand, one
+            # per forward and backward of each microbatch
+            assert placed["unshard_actions"] == name_v[1], where  # one per local stage
+            assert placed["all_gathers"] == placed["units"] > 0, (where, placed)
+            assert on_demand["unshard_actions"] == 0, where
+            # (m = 4: at least one per microbatch and unit)
+            assert on_demand["all_gathers"] >= 4 * placed["all_gathers"], (where, on_demand)
+            assert placed["unsharded_bytes_after"] == 0, where
+            assert placed["grad_rel_diff"] <= 1e-5 and on_demand["grad_rel_diff"] <= 1e-5
+            assert max_abs_diff(placed["grads"], on_demand["grads"]) <= 1e-6, where
         for case, r in res["tied"].items():  # see test_boundaries.py, here sharded
             assert r["grad_diff"] <= 1e-6 and r["tie_vs_ref"] <= 1e-6, (rank, case, r)
         for case, r in res["placed"].items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from cadence.testing import run_distributed
+from tests.pipeline.runtime.bodies_channel_modes import check_mode_rows
 from tests.pipeline.runtime.bodies_step import body_runtime_world2
 
 
@@ -50,6 +51,13 @@ def test_step_accumulate_eval_and_channels(results, name: str) -> None:
             assert out["local_fwd"] == 0 and out["local_bwd"] == 0
 
 
+def test_per_direction_groups_world2(results) -> None:
+    for rank, res in enumerate(results):
+        assert len(res["channel_modes"]) == 3
+        problems = check_mode_rows(res["channel_modes"], [(0, 1)])
+        assert not problems, (rank, problems)
+
+
 def test_fifo_swap_is_refused_on_every_rank(results) -> None:
     for res in results:
         assert res["fifo_swap"].startswith("FifoMismatchError"), res["fifo_swap"]
@@ -77,12 +85,15 @@ MISUSE = {
     "bad_source": "source='jax'; use 'cadence' or 'torch'",
     "k_zero": "max_outstanding_reductions=0; use an int >= 1",
     "k_lowered": "max_outstanding_reductions=2 places WAIT_REDUCE_GRAD while lowering",
+    "lookahead_negative": "unshard_lookahead=-1; use an int >= 0",
+    "lookahead_bool": "unshard_lookahead=True; use an int >= 0",
+    "lookahead_lowered": "unshard_lookahead=1 places UNSHARD/RESHARD while lowering",
     "tie_one_stage": "a tie names one parameter in each of two or more different stages",
     "tie_no_param": "has no parameter 'nope'",
     "stage_count": "got 3 stage modules, the schedule has 2 stages",
     "missing_stage": "stage_modules has no module for stages",
     "bad_input_meta": "input_meta names stages [9]",
-    "per_direction": "channel_mode='per_direction'; the runtime creates communicators",
+    "bad_mode": "channel_mode='ring'; use one of ('shared', 'per_direction', 'per_directed_edge')",
     "compute_only": "ScheduleValidationError: verify takes a lowered schedule",
     "wrong_pp": "the schedule has 4 pipeline ranks but the pp group has 2",
     "not_a_schedule": "PipelineRuntime takes a lowered cadence Schedule, got dict",

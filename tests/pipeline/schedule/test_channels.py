@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -107,5 +108,23 @@ def test_plan_difference_is_described() -> None:
 def test_channel_modes_groups() -> None:
     low = lower(generate("interleaved", 4, 8))
     assert len(channel_plan(low, "shared").groups()) == 1
-    assert len(channel_plan(low, "per_direction").groups()) == 2
     assert len(channel_plan(low, "per_directed_edge").groups()) == 8
+    # per direction: split by payload, as the simulator serialises it; the looped
+    # wrap-around activation (3 -> 0) is forward traffic
+    assert channel_plan(low, "per_direction").groups() == (
+        ("pp_fwd", ((0, 1), (1, 2), (2, 3), (3, 0))),
+        ("pp_bwd", ((0, 3), (1, 0), (2, 1), (3, 2))),
+    )
+    # V: the return leg sends activations to lower ranks, so both groups carry both
+    v = channel_plan(lower(generate("zbv", 2, 4)), "per_direction")
+    assert v.groups() == (("pp_fwd", ((0, 1), (1, 0))), ("pp_bwd", ((0, 1), (1, 0))))
+    assert v.payloads == ((0, 1, "act"), (0, 1, "grad"), (1, 0, "act"), (1, 0, "grad"))
+
+
+def test_per_direction_plan_needs_payloads() -> None:
+    with pytest.raises(ScheduleValidationError, match="per_direction ChannelPlan needs"):
+        ChannelPlan.build([(0, 1), (1, 0)], (0, 1), "per_direction")
+    with pytest.raises(ScheduleValidationError, match="covering exactly its edges"):
+        ChannelPlan.build([(0, 1)], (0, 1), payloads=[(1, 0, "act")])
+    with pytest.raises(ScheduleValidationError, match=re.escape("(src, dst, 'act' | 'grad')")):
+        ChannelPlan.build([(0, 1)], (0, 1), payloads=[(0, 1, "weights")])

@@ -57,6 +57,7 @@ def build_pipeline(
     source: Literal["cadence", "torch"] = "cadence",
     device: torch.device | str | None = None,
     max_outstanding_reductions: int = 1,
+    unshard_lookahead: int | None = None,
     tied_parameters: Sequence[Sequence[tuple[int, str]]] = (),
     batch_p2p: bool = False,
 ) -> PipelineRuntime:
@@ -80,12 +81,23 @@ def build_pipeline(
         max_outstanding_reductions: data-parallel reductions in flight per rank
             (K): lowering waits the oldest when a (K+1)-th is issued, the rest at
             the end of the step. Only where this call lowers the schedule.
+        unshard_lookahead: L >= 0 puts each stage's parameter all-gather on the
+            timeline: lowering adds UNSHARD L compute actions before the stage's
+            first compute on its rank and RESHARD after its last (or after its
+            REDUCE_GRAD), and the runtime keeps the stage gathered in between (one
+            all-gather per unit per step instead of one per forward and backward;
+            see [Note: unshard and reshard placement] in ``schedule/dp_passes.py``).
+            ``None`` (default) leaves gathering to the stage wrappers. Only where
+            this call lowers the schedule; stages without ``unshard`` (plain or
+            DataParallel) ignore the actions.
         tied_parameters: parameters shared by several stages; see `PipelineRuntime`.
         batch_p2p: batch consecutive sends/receives; see `PipelineRuntime`.
     """
     pp_ranks = list(groups.pp_ranks) if groups is not None else list(range(dist.get_world_size()))
     pp = len(pp_ranks)
-    low = _lowered(schedule, pp, n_microbatches, chunks, source, max_outstanding_reductions)
+    low = _lowered(
+        schedule, pp, n_microbatches, chunks, source, max_outstanding_reductions, unshard_lookahead
+    )
     mine = low.stages_of(pp_ranks.index(dist.get_rank()))
     if device is not None:
         dev = torch.device(device)
@@ -137,12 +149,20 @@ def _lowered(
     chunks: int | None,
     source: str,
     k: int,
+    lookahead: int | None,
 ) -> Schedule:
     """The lowered schedule to run, after checking every argument against it."""
     if source not in ("cadence", "torch"):
         raise PipelineUsageError(f"source={source!r}; use 'cadence' or 'torch'")
-    if not isinstance(k, int) or k < 1:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise PipelineUsageError(f"max_outstanding_reductions={k!r}; use an int >= 1")
+    if lookahead is not None and (
+        not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0
+    ):
+        raise PipelineUsageError(
+            f"unshard_lookahead={lookahead!r}; use an int >= 0 (compute actions of "
+            "prefetch before a stage's first compute) or None (gather on demand)"
+        )
     prelowered = source == "torch" or (isinstance(schedule, Schedule) and schedule.meta.lowered)
     if k != 1 and prelowered:
         raise PipelineUsageError(
@@ -150,15 +170,20 @@ def _lowered(
             "this schedule arrives lowered; lower it yourself with "
             "lower(schedule, max_outstanding_reductions=...) or pass a compute-only schedule"
         )
+    if lookahead is not None and prelowered:
+        raise PipelineUsageError(
+            f"unshard_lookahead={lookahead} places UNSHARD/RESHARD while lowering, but this "
+            "schedule arrives lowered; lower it yourself with "
+            "lower(schedule, unshard_lookahead=...) or pass a compute-only schedule"
+        )
     if isinstance(schedule, str):
         if n_microbatches is None:
             raise PipelineUsageError("build_pipeline(name, ...) needs n_microbatches=")
         v = 1 if chunks is None else chunks
         if source == "torch":
             return torch_lowered_schedule(schedule, pp, n_microbatches, v)
-        return lower(
-            generate(canonical_name(schedule), pp, n_microbatches, v), max_outstanding_reductions=k
-        )
+        compute = generate(canonical_name(schedule), pp, n_microbatches, v)
+        return lower(compute, max_outstanding_reductions=k, unshard_lookahead=lookahead)
     if not isinstance(schedule, Schedule):
         raise PipelineUsageError(
             f"schedule must be a name or a cadence Schedule, got {type(schedule).__name__}"
@@ -180,7 +205,9 @@ def _lowered(
             f"chunks={chunks} but the schedule has {v} stages per rank; omit chunks "
             "or pass the schedule's"
         )
-    return schedule if schedule.meta.lowered else lower(schedule, max_outstanding_reductions=k)
+    if schedule.meta.lowered:
+        return schedule
+    return lower(schedule, max_outstanding_reductions=k, unshard_lookahead=lookahead)
 
 
 def torch_lowered_schedule(name: str, pp: int, n_microbatches: int, chunks: int) -> Schedule:

@@ -63,7 +63,7 @@ from cadence.pipeline.runtime.microbatch import (
 )
 from cadence.pipeline.runtime.stage import PipelineStage
 from cadence.pipeline.runtime.tied import TiedParameters, TieSpec, check_ties, find_tied
-from cadence.pipeline.schedule.channels import RUNTIME_CHANNEL_MODES, channel_plan
+from cadence.pipeline.schedule.channels import CHANNEL_MODES, channel_plan
 from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
 from cadence.pipeline.schedule.sim import verify
 from cadence.topology import ParallelGroups
@@ -93,8 +93,14 @@ class PipelineRuntime:
             Default: the whole world is one pipeline.
         loss_reduction: ``"mean"`` (default, equal to one process on the full batch)
             or ``"sum"``; see `LossPolicy`.
-        channel_mode: ``"per_directed_edge"`` (default) or ``"shared"``.
-        event_log: records every P2P with its channel (``event.group == "pp0->1"``),
+        channel_mode: the communicators P2P runs on: ``"per_directed_edge"``
+            (default: one per directed rank pair), ``"per_direction"`` (two per pp
+            group, activations and gradients; what NCCL users who cap communicators
+            want) or ``"shared"`` (the pp group). ``lower`` orders every generated
+            schedule deadlock-free under all three, and `verify` checks the given
+            schedule under the chosen one.
+        event_log: records every P2P with its channel (``event.group == "pp0->1"``;
+            ``"pp0->1/fwd"`` / ``"pp1->0/bwd"`` in ``per_direction`` mode),
             every LOCAL hand-off as a mark named ``"pp_local"``, each finished compute
             action as a mark ``"pp_compute"`` (``stage``, ``kind``, ``mb``), and
             REDUCE_GRAD / WAIT_REDUCE_GRAD as ``"pp_reduce_grad"`` /
@@ -126,11 +132,8 @@ class PipelineRuntime:
                 "build one with Schedule.from_lists(actions, placement) and lower() it, or "
                 "use build_pipeline(name, ...)"
             )
-        if channel_mode not in RUNTIME_CHANNEL_MODES:
-            raise PipelineUsageError(
-                f"channel_mode={channel_mode!r}; the runtime creates communicators for "
-                f"{RUNTIME_CHANNEL_MODES} (the simulator also models 'per_direction')"
-            )
+        if channel_mode not in CHANNEL_MODES:
+            raise PipelineUsageError(f"channel_mode={channel_mode!r}; use one of {CHANNEL_MODES}")
         pp_ranks = (
             tuple(groups.pp_ranks) if groups is not None else tuple(range(dist.get_world_size()))
         )
@@ -188,10 +191,12 @@ class PipelineRuntime:
         )
         # The per-action route, derived once from the placement (validate_lowered
         # checked any channel an action states against it): the communicator of the
-        # action's channel and the peer's rank in it.
+        # action's channel and payload, and the peer's rank in it.
         comms = self.channel_groups.comms(event_log)
         self._route = {
-            a: comms[self._channel(a)] for a in self.actions if a.kind in (K.SEND, K.RECV)
+            a: comms[(self._channel(a), a.payload)]
+            for a in self.actions
+            if a.kind in (K.SEND, K.RECV)
         }
         self._handlers: dict[ActionKind, Callable[[Action, int, _StepState], None]] = {
             K.F: self._forward,

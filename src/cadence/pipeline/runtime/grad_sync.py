@@ -20,10 +20,11 @@ changes.) The verbs, in the order a step uses them:
 - ``finalize_backward(async_op=True)`` at REDUCE_GRAD: issue, keep the handle;
 - ``handle.wait()`` at WAIT_REDUCE_GRAD, just before the result is needed (or at
   the end of the step when the schedule has no wait action);
-- ``unshard(async_op=True)`` / ``reshard()`` at UNSHARD / RESHARD, if the wrapper
-  has them (fully_shard does, DataParallel does not need to); a stage with these
-  actions has its ``set_reshard_after_forward/backward`` turned off at
-  construction, so the schedule alone decides when it is gathered.
+- ``unshard(async_op=True)`` / ``reshard()`` of every unit of the stage (nested
+  ones included) at UNSHARD / RESHARD, if the wrapper has them (fully_shard does,
+  DataParallel does not need to); a stage with these actions has its
+  ``set_reshard_after_forward/backward`` turned off at construction, so the
+  schedule alone decides when it is gathered.
 
 Scaling is not done here: the loss is scaled once before backward (see
 ``microbatch.py``), so reduced gradients need no further division by ``m``.
@@ -60,7 +61,7 @@ class StageGradSync:
         self.timing: GradientTiming | None = gradient_timing(module)
         self._module = module
         self._handle: ReductionHandle | None = None
-        self._unshard: Any = None
+        self._unshards: list[Any] = []  # in-flight UNSHARD handles, one per unit
         self._sync = True
         self.reduced = False
         # "reduce" / "wait" in the order they ran, over the runtime's lifetime (tests read it).
@@ -134,19 +135,23 @@ class StageGradSync:
                     fn(False, recurse=False)
 
     def unshard(self) -> None:
-        """UNSHARD: issue the all-gather (async); the first use waits for it."""
-        fn = getattr(self._module, "unshard", None)
-        if fn is None:
-            return
-        if self._unshard is not None:  # a previous step's, never resharded: done by now
-            self._unshard.wait()
-        self._unshard = fn(async_op=True)
+        """UNSHARD: issue the all-gather of every unit of the stage (nested ones too,
+        e.g. one per block under the stage's root), async; each first use waits."""
+        self._wait_unshards()  # a previous step's, never resharded: done by now
+        for m in self._module.modules():
+            fn = getattr(m, "unshard", None)
+            if fn is not None and isinstance(m, GradientTiming):
+                self._unshards.append(fn(async_op=True))
+
+    def _wait_unshards(self) -> None:
+        for handle in self._unshards:
+            if handle is not None:
+                handle.wait()
+        self._unshards = []
 
     def reshard(self) -> None:
         """RESHARD: free every unsharded parameter of the stage (nested units included)."""
-        if self._unshard is not None:
-            self._unshard.wait()
-            self._unshard = None
+        self._wait_unshards()
         for m in self._module.modules():
             fn = getattr(m, "reshard", None)
             if fn is not None and isinstance(m, GradientTiming):

@@ -2,8 +2,16 @@
 
 A *channel* is a directed pair ``(src, dst)`` of pipeline ranks (positions in the
 pp group) taken from the lowered schedule's SENDs; see [Note: channels come from
-the SENDs] in ``schedule/channels.py``. Each channel gets its own communicator, so
-unrelated edges never share a FIFO.
+the SENDs] in ``schedule/channels.py``. Which communicator carries a transfer
+depends on the plan's mode:
+
+- ``per_directed_edge`` (default): each channel its own two-rank group, so
+  unrelated edges never share a FIFO;
+- ``per_direction``: two groups per pp group, each over all its ranks, ``pp_fwd``
+  for activations and ``pp_bwd`` for gradients (see [Note: per-direction
+  communicators] in ``schedule/channels.py``); a transfer's route is its channel
+  *and* its payload;
+- ``shared``: the pp group itself.
 
 [Note: why the vote goes first]
 ``new_group`` is a collective over the default group and ``split_group`` over its
@@ -23,14 +31,16 @@ sorted, then channels in round order), and keeps only its own.
 On gloo one ``new_group(ranks=[a, b])`` per directed edge (``split_group`` is
 NCCL-only in torch 2.13). On NCCL one ``split_group`` per disjoint round, each
 round's pairs covering all pp groups at once, since a rank appears in at most one
-pair per round. The NCCL path is written to upstream's algorithm and is only
-exercised where a GPU exists.
+pair per round. Per direction: on gloo ``new_group(ranks=pp)`` for the forward and
+then the backward group of each pp group in turn; on NCCL one ``split_group`` per
+direction whose splits are all the pp groups (they are disjoint). The NCCL paths
+are written to upstream's algorithm and are only exercised where a GPU exists.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,51 +49,61 @@ import torch.distributed as dist
 
 from cadence.comm import Comm, EventLog
 from cadence.pipeline.runtime.errors import PlanMismatchError
-from cadence.pipeline.schedule.channels import (
-    RUNTIME_CHANNEL_MODES,
-    ChannelPlan,
-    describe_plan_difference,
-)
+from cadence.pipeline.schedule.channels import ChannelPlan, describe_plan_difference
+from cadence.pipeline.schedule.ir import Payload
 
 __all__ = ["ChannelGroups", "ChannelMode", "PlanMismatchError", "build_channel_groups"]
 
 Channel = tuple[int, int]
-ChannelMode = Literal["per_directed_edge", "shared"]
+Route = tuple[Channel, Payload]  # a transfer's channel and what it carries
+ChannelMode = Literal["per_directed_edge", "per_direction", "shared"]
+# The per-direction groups in creation order: (name, the payload it carries).
+_DIRECTIONS = (("fwd", Payload.ACT), ("bwd", Payload.GRAD))
 
 
 @dataclass
 class ChannelGroups:
-    """This rank's channel communicators, keyed by directed pp-rank pair."""
+    """This rank's channel communicators, keyed by (directed pp-rank pair, payload)."""
 
     pp_rank: int
     pp_ranks: tuple[int, ...]
     plan: ChannelPlan
-    groups: dict[Channel, dist.ProcessGroup] = field(default_factory=dict)
+    groups: dict[Route, dist.ProcessGroup] = field(default_factory=dict)
     all_pp_groups: tuple[tuple[int, ...], ...] = ()  # every pp group's ranks, sorted
 
-    def comms(self, event_log: EventLog | None = None) -> dict[Channel, tuple[Comm, int]]:
-        """``{channel: (Comm, peer group rank)}`` for the channels this rank is on."""
-        out: dict[Channel, tuple[Comm, int]] = {}
-        for ch in self.plan.edges:
-            if self.pp_rank not in ch:
-                continue
+    def comms(self, event_log: EventLog | None = None) -> dict[Route, tuple[Comm, int]]:
+        """``{(channel, payload): (Comm, peer group rank)}`` for this rank's routes.
+
+        Events are named after the channel (``"pp0->1"``), and in ``per_direction``
+        mode also the direction group (``"pp0->1/fwd"``). Both payloads of one
+        channel share one `Comm` when they share a communicator.
+        """
+        out: dict[Route, tuple[Comm, int]] = {}
+        made: dict[tuple[Channel, int], tuple[Comm, int]] = {}
+        for (ch, payload), group in self.groups.items():
             src, dst = ch
-            peer_global = self.pp_ranks[dst if self.pp_rank == src else src]
-            group = self.groups[ch]
-            comm = Comm(group, event_log=event_log, name=f"pp{src}->{dst}")
-            out[ch] = (comm, _group_rank(group, peer_global, comm))
+            key = (ch, id(group))
+            if key not in made:
+                peer_global = self.pp_ranks[dst if self.pp_rank == src else src]
+                suffix = ""
+                if self.plan.mode == "per_direction":
+                    suffix = "/fwd" if payload is Payload.ACT else "/bwd"
+                comm = Comm(group, event_log=event_log, name=f"pp{src}->{dst}{suffix}")
+                made[key] = (comm, _group_rank(group, peer_global, comm))
+            out[(ch, payload)] = made[key]
         return out
 
 
 def _group_rank(group: dist.ProcessGroup, global_rank: int, comm: Comm) -> int:
     # Two-member groups are sorted by global rank, so the peer is the other slot;
-    # for the shared pp group fall back to torch's lookup.
+    # in larger ones (the shared pp group, the per-direction groups) ask torch.
     if comm.world_size == 2:
         return 1 - comm.rank
     return dist.get_group_rank(group, global_rank)
 
 
-# Cache: world group -> {(pp groups, channels, rounds, mode, backend): {global pair: group}}.
+# Cache: world group -> {(pp groups, channels, rounds, payloads, mode, backend):
+#                        {(global pair, payload): group}}.
 # Keyed weakly on the world group so a destroyed process group drops its entries.
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -101,10 +121,10 @@ def build_channel_groups(
     """Vote on the plan on every rank, then create (or reuse) and preconnect the groups.
 
     Collective over the default group: every rank calls it with its own pp group's
-    ranks and its `ChannelPlan` (whose ``mode`` must be ``"per_directed_edge"`` or
-    ``"shared"``). ``local_error``: a misuse this rank found while setting up; it
-    travels with the vote so that *every* rank raises it instead of the healthy
-    ranks waiting for this one in a collective. ``agree``: a further value (with a
+    ranks and its `ChannelPlan` (any mode of ``CHANNEL_MODES``). ``local_error``: a
+    misuse this rank found while setting up; it travels with the vote so that
+    *every* rank raises it instead of the healthy ranks waiting for this one in a
+    collective. ``agree``: a further value (with a
     stable ``repr``) every rank must have passed alike, checked in the same vote.
     See [Note: why the vote goes first].
     """
@@ -113,11 +133,6 @@ def build_channel_groups(
     me = dist.get_rank()
     if me not in pp_ranks_t:
         local_error = local_error or f"rank {me} is not in its own pp_ranks {list(pp_ranks_t)}"
-    if plan.mode not in RUNTIME_CHANNEL_MODES:
-        local_error = local_error or (
-            f"channel mode {plan.mode!r} has no communicators at run time; use one of "
-            f"{RUNTIME_CHANNEL_MODES}"
-        )
     # -- 1. the vote, before any group (see [Note: why the vote goes first])
     everyone = world.all_gather_object((plan, pp_ranks_t, local_error, repr(agree)))
     errors = [(r, err) for r, (_, _, err, _) in enumerate(everyone) if err]
@@ -135,15 +150,19 @@ def build_channel_groups(
     pp_groups = sorted({pp for _, pp, _, _ in everyone})
     # -- 2. create (collective over the world, identical order on every rank)
     backend = str(dist.get_backend())
-    key = (tuple(pp_groups), plan.edges, plan.rounds, plan.mode, backend)
+    # Payloads pick the groups only per direction (elsewhere both share a channel's).
+    payloads = plan.payloads if plan.mode == "per_direction" else ()
+    key = (tuple(pp_groups), plan.edges, plan.rounds, payloads, plan.mode, backend)
     per_world = _CACHE.setdefault(dist.group.WORLD, {})
     created = key in per_world
     if not created:
         per_world[key] = _create(pp_groups, plan, backend, pp_group)
-    by_pair = per_world[key]
+    by_route = per_world[key]
     pp_rank = pp_ranks_t.index(me)
     groups = {
-        ch: by_pair[(pp_ranks_t[ch[0]], pp_ranks_t[ch[1]])] for ch in plan.edges if pp_rank in ch
+        (ch, payload): by_route[((pp_ranks_t[ch[0]], pp_ranks_t[ch[1]]), payload)]
+        for ch, payload in _routes(plan)
+        if pp_rank in ch
     }
     result = ChannelGroups(pp_rank, pp_ranks_t, plan, groups, tuple(pp_groups))
     # -- 3. preconnect, so no communicator is first used inside step()
@@ -173,22 +192,72 @@ def _check_plans(everyone: list[tuple[ChannelPlan, tuple[int, ...]]]) -> None:
     raise PlanMismatchError("\n".join(lines))
 
 
+def _routes(plan: ChannelPlan) -> list[Route]:
+    """Every (channel, payload) route of the plan, in creation order.
+
+    Per direction, the payloads each channel carries; in the other modes both
+    payloads of a channel share its communicator, so both are routed.
+    """
+    if plan.mode == "per_direction":
+        carried = set(plan.payloads)
+        return [
+            (ch, p)
+            for rd in plan.rounds
+            for ch in rd
+            for p, w in ((Payload.ACT, "act"), (Payload.GRAD, "grad"))
+            if (*ch, w) in carried
+        ]
+    return [(ch, p) for rd in plan.rounds for ch in rd for p in (Payload.ACT, Payload.GRAD)]
+
+
 def _create(
     pp_groups: list[tuple[int, ...]],
     plan: ChannelPlan,
     backend: str,
     pp_group: dist.ProcessGroup | None,
-) -> dict[Channel, dist.ProcessGroup]:
-    by_pair: dict[Channel, dist.ProcessGroup] = {}
-    chans, rounds = plan.edges, plan.rounds
+) -> dict[Route, dist.ProcessGroup]:
+    """``{(global pair, payload): group}`` for every pp group's routes this rank is on."""
+    routes = _routes(plan)
+    me = dist.get_rank()
+    out: dict[Route, dist.ProcessGroup] = {}
+
+    def keep(pp: tuple[int, ...], pick: Callable[[Channel, Payload], dist.ProcessGroup]) -> None:
+        for (a, b), payload in routes:
+            pair = (pp[a], pp[b])
+            if me in pair:
+                out[(pair, payload)] = pick(pair, payload)
+
+    nccl = "nccl" in backend and hasattr(dist, "split_group")
     if plan.mode == "shared":
         # One communicator for everything: the pp group itself (a baseline to compare).
+        group = pp_group if pp_group is not None else dist.group.WORLD
         for pp in pp_groups:
-            for a, b in chans:
-                by_pair[(pp[a], pp[b])] = pp_group if pp_group is not None else dist.group.WORLD
-        return by_pair
-    if "nccl" in backend and hasattr(dist, "split_group"):
-        for i, rnd in enumerate(rounds):
+            keep(pp, lambda pair, p: group)
+        return out
+    if plan.mode == "per_direction":
+        # Two groups per pp group over all of its ranks (see [Note: per-direction
+        # communicators]); every rank creates every pp group's, in the same order.
+        mine: dict[Payload, dist.ProcessGroup] = {}
+        if nccl:
+            # The pp groups are disjoint, so one split per direction covers them all.
+            for name, payload in _DIRECTIONS:
+                child = dist.split_group(
+                    split_ranks=[sorted(pp) for pp in pp_groups], group_desc=f"cadence_pp_{name}"
+                )
+                if child is not None:
+                    mine[payload] = child
+        else:
+            for pp in pp_groups:
+                for _, payload in _DIRECTIONS:
+                    group = dist.new_group(ranks=sorted(pp))
+                    if me in pp:
+                        mine[payload] = group
+        for pp in pp_groups:
+            keep(pp, lambda pair, p: mine[p])
+        return out
+    by_pair: dict[Channel, dist.ProcessGroup] = {}
+    if nccl:
+        for i, rnd in enumerate(plan.rounds):
             split = [sorted((pp[a], pp[b])) for pp in pp_groups for a, b in rnd]
             child = dist.split_group(split_ranks=split, group_desc=f"cadence_pp_round_{i}")
             if child is None:
@@ -196,17 +265,19 @@ def _create(
             for pp in pp_groups:
                 for a, b in rnd:
                     pair = (pp[a], pp[b])
-                    if dist.get_rank() in pair:
+                    if me in pair:
                         by_pair[pair] = child
-        return by_pair
+    else:
+        for pp in pp_groups:
+            for rnd in plan.rounds:
+                for a, b in rnd:
+                    pair = (pp[a], pp[b])
+                    group = dist.new_group(ranks=sorted(pair))
+                    if me in pair:
+                        by_pair[pair] = group
     for pp in pp_groups:
-        for rnd in rounds:
-            for a, b in rnd:
-                pair = (pp[a], pp[b])
-                group = dist.new_group(ranks=sorted(pair))
-                if dist.get_rank() in pair:
-                    by_pair[pair] = group
-    return by_pair
+        keep(pp, lambda pair, p: by_pair[pair])
+    return out
 
 
 def _preconnect(cg: ChannelGroups, world: Comm, event_log: EventLog | None) -> None:
@@ -217,14 +288,18 @@ def _preconnect(cg: ChannelGroups, world: Comm, event_log: EventLog | None) -> N
         else torch.device("cpu")
     )
     for rnd in cg.plan.rounds:
-        # A rank is on at most one channel per round, so post and wait is safe.
+        # A rank is on at most one channel per round, so post and wait is safe; both
+        # ends walk the channel's communicators in the same (payload) order.
         for ch in rnd:
-            if ch not in comms:
-                continue
-            comm, peer = comms[ch]
-            buf = torch.zeros(1, device=device)
-            work = comm.isend(buf, peer) if ch[0] == cg.pp_rank else comm.irecv(buf, peer)
-            work.wait()
+            used: list[tuple[Comm, int]] = []
+            for payload in (Payload.ACT, Payload.GRAD):
+                route = comms.get((ch, payload))
+                if route is not None and all(route[0] is not c for c, _ in used):
+                    used.append(route)
+            for comm, peer in used:
+                buf = torch.zeros(1, device=device)
+                work = comm.isend(buf, peer) if ch[0] == cg.pp_rank else comm.irecv(buf, peer)
+                work.wait()
         # Non-members must not race ahead into the next round while a pair is still
         # initialising its communicator (upstream's shared-mode rule).
         world.barrier()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from cadence.pipeline.schedule.channels import (
     CHANNEL_MODES,
-    RUNTIME_CHANNEL_MODES,
     ChannelPlan,
     channel_plan,
     derive_channels,
@@ -110,7 +109,6 @@ __all__ = [
     "CHANNEL_MODES",
     "GENERATORS",
     "IR_VERSION",
-    "RUNTIME_CHANNEL_MODES",
     "SCHEDULE_NAMES",
     "Action",
     "ActionKind",

@@ -23,6 +23,18 @@ ranks vote on before any group exists, so a rank that built a different schedule
 (other microbatches, another generator, another placement) fails the vote with
 `describe_plan_difference` instead of hanging in a collective or exchanging
 mismatched messages.
+
+[Note: per-direction communicators]
+In ``per_direction`` mode a pp group has two communicators over all its ranks:
+``pp_fwd`` carries every activation (SEND_F/RECV_F) and ``pp_bwd`` every gradient
+(SEND_B/RECV_B), whatever ranks a message goes between. The split is by payload,
+not by rank order, because that is what the simulator serialises (its group of a
+transfer in this mode is the transfer's payload) and so what ``order_comms``
+proved deadlock-free; a rank-order split would put the looped wrap-around
+activation (rank p-1 -> 0) and both directions of the V schedules' return leg on
+the "backward" communicator, a layout nobody checked. A channel may therefore be
+carried by both groups, so the plan records which payloads each channel carries
+(``payloads``), and a ``per_direction`` plan must have them.
 """
 
 from __future__ import annotations
@@ -37,7 +49,6 @@ from cadence.pipeline.schedule.ir import ActionKind, Payload, Schedule, Schedule
 __all__ = [
     "CHANNEL_MODES",
     "PLAN_FORMAT_VERSION",
-    "RUNTIME_CHANNEL_MODES",
     "ChannelPlan",
     "channel_plan",
     "derive_channels",
@@ -46,11 +57,10 @@ __all__ = [
     "plan_rounds",
 ]
 
-PLAN_FORMAT_VERSION = 2
-# Every mode the simulator models; the runtime creates communicators for two of them
-# (``per_direction`` exists to show, in the simulator, the hang it causes).
+PLAN_FORMAT_VERSION = 3
+# Every communicator layout; the simulator models each and the runtime creates each.
 CHANNEL_MODES = ("shared", "per_direction", "per_directed_edge")
-RUNTIME_CHANNEL_MODES = ("per_directed_edge", "shared")
+_PAYLOADS = ("act", "grad")
 
 Edge = tuple[int, int]
 
@@ -122,6 +132,9 @@ class ChannelPlan:
         placement: ``placement[stage] = rank``.
         mode: one of ``CHANNEL_MODES``.
         actions: SHA-256 of the lowered action lists ("" when built from edges).
+        payloads: sorted ``(src_rank, dst_rank, "act" | "grad")``: what each channel
+            carries (from the SENDs; may be empty except in ``per_direction`` mode,
+            see [Note: per-direction communicators]).
         digest: SHA-256 of everything above and the plan format version.
     """
 
@@ -130,6 +143,7 @@ class ChannelPlan:
     placement: tuple[int, ...]
     mode: str = "per_directed_edge"
     actions: str = ""
+    payloads: tuple[tuple[int, int, str], ...] = ()
     digest: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -140,6 +154,22 @@ class ChannelPlan:
         flat = sorted(e for rd in self.rounds for e in rd)
         if flat != sorted(self.edges):
             raise ScheduleValidationError("ChannelPlan rounds must cover exactly its edges")
+        carried = {(a, b) for a, b, _ in self.payloads}
+        if self.payloads and (
+            carried != set(self.edges)
+            or any(w not in _PAYLOADS for *_, w in self.payloads)
+            or list(self.payloads) != sorted(set(self.payloads))
+        ):
+            raise ScheduleValidationError(
+                "ChannelPlan payloads must be sorted, unique (src, dst, 'act' | 'grad') "
+                f"triples covering exactly its edges, got {self.payloads}"
+            )
+        if self.mode == "per_direction" and self.edges and not self.payloads:
+            raise ScheduleValidationError(
+                "a per_direction ChannelPlan needs the payloads its channels carry (the "
+                "direction communicators split by payload); build it with "
+                "channel_plan(lowered, 'per_direction') or ChannelPlan.build(..., payloads=...)"
+            )
         # The digest is derived, never given: two plans with equal fields always agree.
         object.__setattr__(self, "digest", hashlib.sha256(self.to_json().encode()).hexdigest())
 
@@ -151,20 +181,26 @@ class ChannelPlan:
         mode: str = "per_directed_edge",
         *,
         actions: str = "",
+        payloads: Iterable[tuple[int, int, str]] = (),
     ) -> ChannelPlan:
         """The plan of a channel set (order-independent): sorted edges, canonical rounds."""
         es = tuple(sorted(set(edges)))
-        return cls(es, plan_rounds(es), tuple(placement), mode, actions)
+        pays = tuple(sorted(set(payloads)))
+        return cls(es, plan_rounds(es), tuple(placement), mode, actions, pays)
 
     def groups(self) -> tuple[tuple[str, tuple[Edge, ...]], ...]:
-        """(group name, channels it carries) in creation order, per mode."""
+        """(group name, channels it carries) in creation order, per mode.
+
+        ``per_direction`` has both groups always (the runtime creates both), split by
+        payload; see [Note: per-direction communicators].
+        """
         if self.mode == "shared":
             return (("pp", self.edges),)
         if self.mode == "per_direction":
-            # Forward: towards higher ranks or the wrap to rank 0; by rank order here.
-            fwd = tuple(e for e in self.edges if e[0] < e[1])
-            bwd = tuple(e for e in self.edges if e[0] > e[1])
-            return tuple((n, es) for n, es in (("pp_fwd", fwd), ("pp_bwd", bwd)) if es)
+            return tuple(
+                (f"pp_{name}", tuple(sorted({(a, b) for a, b, w in self.payloads if w == what})))
+                for name, what in (("fwd", "act"), ("bwd", "grad"))
+            )
         return tuple((f"pp{a}->{b}", ((a, b),)) for rd in self.rounds for a, b in rd)
 
     def to_json(self) -> str:
@@ -176,6 +212,7 @@ class ChannelPlan:
                 "placement": list(self.placement),
                 "mode": self.mode,
                 "actions": self.actions,
+                "payloads": [list(t) for t in self.payloads],
             },
             sort_keys=True,
         )
@@ -189,7 +226,12 @@ def channel_plan(sched: Schedule, mode: str = "per_directed_edge") -> ChannelPla
         )
     text = json.dumps([[str(a) for a in acts] for acts in sched.ranks])
     actions = hashlib.sha256(text.encode()).hexdigest()
-    return ChannelPlan.build(derive_channels(sched), sched.placement, mode, actions=actions)
+    payloads = {
+        (a, b, what) for (a, b), logical in logical_edges(sched).items() for *_, what in logical
+    }
+    return ChannelPlan.build(
+        derive_channels(sched), sched.placement, mode, actions=actions, payloads=payloads
+    )
 
 
 def describe_plan_difference(
