@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import cadence
 from cadence.comm import EventLog
+from cadence.fsdp import FullyShardError
 from cadence.precompile import PrecompileUsageError, precompile, precompile_module, stats
 from cadence.testing import max_abs_diff, shard
 from tests.precompile._bodies import BACKEND, inputs, step
@@ -78,12 +79,30 @@ def _train(
     }
 
 
-def _refused(fn: Any, *args: Any) -> str:
+def _refused(fn: Any, *args: Any, error: type[Exception] = PrecompileUsageError) -> str:
     try:
         fn(*args)
-    except PrecompileUsageError as exc:
+    except error as exc:
         return str(exc)
     return "not refused"
+
+
+def _mid_step_refusals(eager: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
+    """precompile_module on a unit in the middle of a step: refused before any collective."""
+    out: dict[str, str] = {}
+
+    def during_forward(*_: Any) -> None:
+        out["during_forward"] = _refused(precompile_module, eager, (x,), error=FullyShardError)
+
+    hook = eager.a.register_forward_pre_hook(during_forward)
+    eager.set_manual_backward_finalization(True)
+    F.mse_loss(eager(x), y).backward()
+    hook.remove()
+    handle = eager.finalize_backward(async_op=True)
+    out["pending_handle"] = _refused(precompile_module, eager, (x,), error=FullyShardError)
+    handle.wait()
+    eager.set_manual_backward_finalization(False)
+    return out
 
 
 def _root_only(cache_dir: str, rank: int, world: int) -> dict[str, Any]:
@@ -106,6 +125,7 @@ def _root_only(cache_dir: str, rank: int, world: int) -> dict[str, Any]:
         "call_refusal": _refused(precompile, step, (model, x, y)),
     }
     out.update(_train(model, eager, x, y))
+    out.update(_mid_step_refusals(eager, x, y))
     return out
 
 
@@ -119,7 +139,11 @@ def _nested(rank: int, world: int) -> dict[str, Any]:
         cadence.fully_shard(m)
     x_all, y_all = torch.randn(4 * world, 4), torch.randn(4 * world, 2)
     x, y = shard(x_all, rank, world), shard(y_all, rank, world)
-    out: dict[str, Any] = {"root_refusal": _refused(precompile_module, model, (x,))}
+    out: dict[str, Any] = {
+        "root_refusal": _refused(precompile_module, model, (x,)),
+        # A plain container of units, passed to a function that calls it.
+        "container_refusal": _refused(precompile, step, (torch.nn.Sequential(model), x, y), None),
+    }
     # The blocks' input: the root's first layer's output, which requires grad.
     h = torch.randn(x.shape[0], 8, requires_grad=True)
     before = stats()["compiles"]

@@ -5,7 +5,8 @@
   class-identity guard passes), and several SGD steps match eager fully_shard.
 - Nested units (blocks, then the root): precompile_module on the root is refused
   (the blocks' hooks would run inside the graph); on each block it trains in parity.
-- ``precompile(step, (model, ...))`` with a fully_shard model is refused.
+- ``precompile(step, (model, ...))`` with a fully_shard model (or a module holding
+  one) is refused, and so is precompile_module in the middle of a step.
 """
 
 from __future__ import annotations
@@ -72,3 +73,15 @@ def test_function_calling_a_fully_shard_model_refused(results: list[dict[str, An
         msg = r["root"]["call_refusal"]
         assert "argument 0 (FullyShardTinyNet) is a fully_shard module" in msg, msg
         assert "precompile_module(module, example_args)" in msg, msg
+
+
+def test_container_of_units_passed_to_a_function_refused(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        msg = r["nested"]["container_refusal"]
+        assert "argument 0 (Sequential) contains fully_shard units (0, 0.blocks.0" in msg, msg
+
+
+def test_precompile_module_mid_step_refused(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert "precompile_module() during forward or backward" in r["root"]["during_forward"]
+        assert "handle is still pending" in r["root"]["pending_handle"]
