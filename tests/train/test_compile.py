@@ -5,7 +5,10 @@ Specification:
   pipeline rank compiles its own stage (its data-parallel group is itself);
 - a second run in the same run folder loads from ``<run_dir>/precompile`` on every rank;
 - the compiled run trains like the eager one (aot_eager: same losses to 1e-6);
-- ``--compile --fsdp`` is refused before anything starts.
+- ``--compile --fsdp``: each fully_shard block is compiled (the root's forward stays
+  eager: its graph would hold the blocks' all-gathers); rank 0 compiles the first block,
+  rank 1 receives it, the second block (same architecture) loads it from the cache,
+  and the losses equal the eager ``--fsdp`` run's.
 """
 
 from __future__ import annotations
@@ -15,23 +18,24 @@ from pathlib import Path
 import pytest
 
 from cadence.testing import run_distributed
-from cadence.train.config import TrainConfig, TrainConfigError
 from tests.train.bodies_compile import body_compile
 
 
 @pytest.mark.parametrize(
     ("flags", "sources"),
-    [({}, ["compiled", "received"]), ({"pp": 2}, ["compiled", "compiled"])],
-    ids=["dp", "pp2"],
+    [
+        ({}, ["compiled", "received"]),
+        ({"pp": 2}, ["compiled", "compiled"]),
+        ({"fsdp": True}, ["compiled,cache", "received,cache"]),
+        ({"fsdp": True, "mixed_precision": "bf16"}, ["compiled,cache", "received,cache"]),
+    ],
+    ids=["dp", "pp2", "fsdp", "fsdp-bf16"],
 )
 def test_compile_once_per_group_then_cache(tmp_path: Path, flags: dict, sources: list) -> None:
     (r, _) = run_distributed(body_compile, flags, str(tmp_path), world_size=2, timeout=240)
     assert [p["source"] for p in r["first"]] == sources
-    assert [p["source"] for p in r["again"]] == ["cache", "cache"]
+    assert [p["source"] for p in r["again"]] == [
+        ",".join("cache" for _ in s.split(",")) for s in sources
+    ]
     assert r["first"][0]["compile_s"] > 0 and r["again"][0]["compile_s"] == 0
     assert max(abs(a - b) for a, b in zip(r["eager"], r["compiled"])) < 1e-6
-
-
-def test_compile_with_fsdp_is_refused() -> None:
-    with pytest.raises(TrainConfigError, match="--compile with --fsdp is not supported yet"):
-        TrainConfig(compile=True, fsdp=True)

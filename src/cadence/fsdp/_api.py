@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from cadence.errors import CadenceRuntimeError, CadenceTypeError, CadenceValueError
 
@@ -79,6 +80,21 @@ class MixedPrecisionPolicy:
         param = self.param_dtype or orig
         reduce = self.reduce_dtype or param
         return param, reduce, self.accumulate_dtype or reduce
+
+    def cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The forward inputs as a unit's forward sees them (``cast_forward_inputs``)."""
+        dtype = self.param_dtype
+        if not self.cast_forward_inputs or dtype is None:
+            return args, kwargs
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+                return x.to(dtype)
+            return x
+
+        return tree_map(cast, (args, kwargs))
 
 
 def to_mp_policy(policy: Any) -> MixedPrecisionPolicy:

@@ -162,17 +162,7 @@ class Runtime:
         unit.unshard(async_op=False)
         self.note_unsharded()
         self.prefetch(self.forward_targets(unit))
-        mp = unit.mp_policy
-        if mp.cast_forward_inputs and mp.param_dtype is not None:
-            dtype = mp.param_dtype
-
-            def cast(x: Any) -> Any:
-                if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-                    return x.to(dtype)
-                return x
-
-            args, kwargs = tree_map(cast, (args, kwargs))
-        return args, kwargs
+        return unit.mp_policy.cast_inputs(args, kwargs)
 
     def post_forward(self, unit: Unit, output: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()

@@ -141,6 +141,9 @@ class Unit:
         self.state = ShardedState.SHARDED
         self.all_gather_state: AllGatherState | None = None
         self.stale = False  # see [Note: stale unsharded copies] in _state.py
+        # precompile_module is tracing this unit's forward: see
+        # [Note: precompiling a fully_shard forward] in _trace.py.
+        self.tracing = False
         # -- gradients --
         self.accumulated: torch.Tensor | None = None  # (W, S) accum dtype, no-sync accumulation
         self.post_backward_done = False

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.comm import EventLog
+from cadence.fsdp._trace import refusal, traced_forward
 from cadence.precompile._artifact import (
     TRANSPORT_KEY,
     ArtifactCache,
@@ -196,6 +197,7 @@ def precompile(
     job = Job(fn, opts, cache, ship_kernels=bool(ship_kernels))
     args = (*job.bound, *example_args)
     kwargs = dict(example_kwargs or {})
+    _refuse_fully_shard(job.name, args, kwargs)
     key, cap = job.key(args, kwargs)
     found = job.lookup(key)
 
@@ -222,6 +224,17 @@ def precompile(
         timings=job.timings,
         cache_path=str(cache.path(key)) if cache is not None else None,
     )
+
+
+def _refuse_fully_shard(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Local, before any collective: see [Note: precompiling a fully_shard forward]."""
+    for what, value in [
+        *((f"argument {i}", a) for i, a in enumerate(args)),
+        *((f"argument {k!r}", v) for k, v in kwargs.items()),
+    ]:
+        why = refusal(value, what)
+        if why is not None:
+            raise PrecompileUsageError(f"precompile({name}): {why}.")
 
 
 def _send(
@@ -304,6 +317,13 @@ def precompile_module(
     a wrapper such as `cadence.DataParallel` keeps doing its work outside the graph.
     ``del module.forward`` restores the eager forward. Keyword arguments are those of
     `precompile`.
+
+    A `cadence.fully_shard` module is compiled as its forward sees it: unsharded for
+    the compile (an all-gather: call it on every rank of the shard group together,
+    between steps), with ``example_args`` cast as its mixed-precision policy casts
+    forward inputs, and left sharded or unsharded as it was. A module holding nested
+    fully_shard units is refused: precompile each innermost unit (e.g. each block)
+    instead. See [Note: precompiling a fully_shard forward] in ``cadence/fsdp/_trace.py``.
     """
     if not isinstance(module, torch.nn.Module):
         raise PrecompileUsageError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -312,8 +332,10 @@ def precompile_module(
             f"{type(module).__name__}.forward is already replaced on this instance "
             "(precompiled already?); `del module.forward` first"
         )
-    compiled = precompile(
-        types.MethodType(type(module).forward, module), example_args, example_kwargs, **kwargs
-    )
+    why = refusal(module, "the module", forward_only=True)
+    if why is not None:
+        raise PrecompileUsageError(f"precompile_module: {why}.")
+    with traced_forward(module, example_args, example_kwargs or {}) as (a, kw):
+        compiled = precompile(types.MethodType(type(module).forward, module), a, kw, **kwargs)
     module.forward = compiled  # type: ignore[method-assign]
     return compiled

@@ -10,8 +10,11 @@ compiled forward, so gradient reductions happen exactly as without ``--compile``
 Pipeline stages are compiled each over the data-parallel group of its pipeline
 position (`ParallelGroups` as ``group``): a stage's replicas share one compile.
 
-``--compile --fsdp`` is refused for now (see `TrainConfig`): fully_shard generates a
-class per process, and a rank that receives the artifact fails the class-identity guard.
+With ``--fsdp`` the blocks are fully_shard units inside the root unit, and a compiled
+root forward would have to run the blocks' all-gathers inside its graph, which
+precompile refuses. So each block's forward is compiled instead (the blocks share one
+architecture, so the later ones load the first one's artifact from the cache), and the
+root's own forward (embedding, head) stays eager, like every fully_shard hook.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cadence.models.gpt import Block
 from cadence.pipeline.runtime.stage import TensorMeta
 from cadence.precompile import precompile_module
 from cadence.train.build import TrainState
@@ -38,6 +42,25 @@ def _inner(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module)
 
 
+def _activations(cfg: TrainConfig, rows: int) -> torch.Tensor:
+    """A block's input as the step gives it: (rows, T, D), requiring grad.
+
+    fp32 also under ``--mixed-precision bf16``: precompile_module casts it as the
+    block's fully_shard policy casts forward inputs.
+    """
+    return torch.zeros(rows, cfg.model.seq_len, cfg.model.d_model).requires_grad_()
+
+
+def _targets(
+    cfg: TrainConfig, wrapper: str, module: nn.Module, example: torch.Tensor
+) -> list[tuple[nn.Module, torch.Tensor]]:
+    """What to compile for one wrapped module: itself, or with ``--fsdp`` its blocks."""
+    blocks = [m for m in module.modules() if isinstance(m, Block)]
+    if wrapper != "fully_shard" or not blocks:
+        return [(module, example)]
+    return [(block, _activations(cfg, example.shape[0])) for block in blocks]
+
+
 def _examples(cfg: TrainConfig, state: TrainState) -> list[tuple[nn.Module, torch.Tensor]]:
     """(module to compile, an example input as the step will call it) for this rank."""
     layout = state.layout
@@ -46,17 +69,15 @@ def _examples(cfg: TrainConfig, state: TrainState) -> list[tuple[nn.Module, torc
     x = x[rows]
     if state.runtime is None:
         assert state.model is not None
-        return [(_inner(state.model), x)]
+        return _targets(cfg, layout.wrapper, _inner(state.model), x)
     mb = x.shape[0] // layout.microbatches
     out = []
     for s in sorted(state.runtime.stages):
         module = _inner(state.runtime.stages[s].module)
-        if s == 0:
-            example = x[:mb]
-        else:  # what the stage before sends: activations, a fresh leaf per microbatch
-            example = torch.zeros(mb, cfg.model.seq_len, cfg.model.d_model).requires_grad_()
-        out.append((module, example))
+        # Later stages get what the stage before sends: a fresh leaf per microbatch.
+        example = x[:mb] if s == 0 else _activations(cfg, mb)
         _set_static_meta(state.runtime.stages[s], module, example)
+        out += _targets(cfg, layout.wrapper, module, example)
     return out
 
 

@@ -128,9 +128,9 @@ class TrainConfig:
     """Write checkpoints in the background (DCP's ``async_save``): the step waits only
     for the copy of the state, not for the disk."""
     compile: bool = False
-    """Precompile the forward of the wrapped model (or of each local pipeline stage)
-    with `cadence.precompile_module`: one compile per data-parallel group, cached in
-    ``<run_dir>/precompile``. Not with ``fsdp`` yet."""
+    """Precompile the forward of the wrapped model (or of each local pipeline stage;
+    with ``fsdp``, of each block) with `cadence.precompile_module`: one compile per
+    data-parallel group, cached in ``<run_dir>/precompile``."""
     tensorboard: bool = False
     """Rank 0 also writes the loss to TensorBoard event files in ``<run_dir>/tensorboard``
     (needs the ``tensorboard`` package)."""
@@ -170,12 +170,6 @@ class TrainConfig:
 
     def _check_checkpointing(self) -> None:
         err = TrainConfigError
-        if self.compile and self.fsdp:
-            raise err(
-                "--compile with --fsdp is not supported yet: fully_shard generates its module "
-                "classes per process, so a rank that receives the compiled forward fails "
-                "Dynamo's class-identity guard. Drop --compile, or train without --fsdp"
-            )
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise err(
                 "--tensorboard needs the tensorboard package, which torch.utils.tensorboard "
