@@ -31,9 +31,9 @@ rank among the last to join, as torch DDP does, so every rank ends with the same
 model. 2-4 go through the wrapper's `Comm` objects: the gradient all-reduces
 under its log name ``dp``, the join bookkeeping under ``dp.join``.
 
-What cannot be shadowed is refused before any collective, when the join hook is
-made (``model.join()`` / ``Join([...])``) or when the setting is changed inside
-the context: a joined rank learns only "this step syncs" at forward, so a sync
+What cannot be shadowed is refused before any collective: by ``model.join()``,
+at each forward (and each ``main_hook``) inside an enabled join, and by the
+setters themselves inside one: a joined rank learns only "this step syncs" at forward, so a sync
 decision taken later (``no_sync()``, ``require_backward_grad_sync = False``, a
 deferred reduction by ``finalize_backward``), a window the caller finalizes
 (manual finalization, split backwards) or a first step that learns the graph
@@ -121,6 +121,12 @@ def check_can_join(dp: _JoinableDataParallel) -> None:
         )
     if r.split_part is not None:
         problems.append("a split_backward() part is open; close it first")
+    if r.comm_hook is not None and not dp._join_divide_by_initial_world_size:
+        problems.append(
+            "divide_by_initial_world_size=False with a comm hook (the hook does the "
+            "averaging, so the active-rank count cannot reach it; torch DDP ignores the "
+            "flag there). Pass True, or divide inside your hook"
+        )
     if problems:
         raise DataParallelError(
             "DataParallel cannot join (uneven inputs) with: " + "; ".join(problems) + "."
@@ -169,7 +175,7 @@ def _drain(dp: _JoinableDataParallel) -> None:
 def join_forward(dp: _JoinableDataParallel) -> None:
     """An active rank's collectives 1-3 of [Note: DP join], in DataParallel.forward."""
     r = dp._reducer
-    check_can_join(dp)  # a setting may have changed since the hook was made
+    check_can_join(dp)
     if not dp._join_divide_by_initial_world_size and not dp._join_config.is_first_joinable:
         raise DataParallelError(
             "divide_by_initial_world_size=False needs DataParallel to be the first joinable "
@@ -235,13 +241,16 @@ class DataParallelJoinHook(JoinHook):
     """Shadows an active rank's step on a joined rank; syncs the final model at the end."""
 
     def __init__(self, dp: _JoinableDataParallel, *, divide_by_initial_world_size: bool) -> None:
-        check_can_join(dp)
+        # Settings are checked at each forward and main_hook, not here: torch's Join
+        # makes the hooks before it says whether it is enabled, and a disabled join
+        # must change nothing.
         self.dp = dp
         dp._join_divide_by_initial_world_size = bool(divide_by_initial_world_size)
 
     def main_hook(self) -> None:
         """Collectives 2-4 of [Note: DP join], with zeros."""
         dp = self.dp
+        check_can_join(dp)
         _drain(dp)
         if dp._syncs_buffers_at_forward():
             src = _common_rank(dp, False)
@@ -267,7 +276,18 @@ class DataParallelJoinHook(JoinHook):
             else:
                 works.append(r.comm.all_reduce(replica.buffer, async_op=True))
         if r.find_unused:
-            used = torch.zeros(len(r.params), dtype=torch.int32, device=_device(dp))
+            # [Note: a joined rank's used map]
+            # torch DDP's joined rank all-reduces the used map of its own last synced
+            # step (already all-reduced then), not zeros: a parameter used anywhere in
+            # that step counts as used in every shadowed step, so the active ranks
+            # write its reduced (zero) gradient instead of leaving ``.grad`` as it
+            # was. Matched, so momentum and weight decay move it as under DDP.
+            previous = r.last_used_map
+            used = (
+                previous.clone()
+                if previous is not None
+                else torch.zeros(len(r.params), dtype=torch.int32, device=_device(dp))
+            )
             works.append(r.comm.all_reduce(used, async_op=True))
         for work in works:
             work.wait()
@@ -316,12 +336,15 @@ class JoinableDataParallel(Joinable):
         when the first one runs out. ``enable=False``: a no-op context. See
         [Note: DP join] in ``_join.py`` for the protocol and what is refused.
         """
-        return _DataParallelJoin(
+        join = _DataParallelJoin(
             [self],
             enable,
             throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
+        if enable:
+            check_can_join(self)  # type: ignore[arg-type]  # at entry, not at the first forward
+        return join
 
     def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
         """The `JoinHook` torch's ``Join([model, ...])`` asks for (kwargs as torch DDP's)."""

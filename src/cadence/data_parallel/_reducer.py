@@ -148,6 +148,9 @@ class Reducer:
         # Inside a join with divide_by_initial_world_size=False: the number of active
         # ranks this step (see [Note: DP join] in _join.py); None divides by the world.
         self.divisor: Callable[[], int] | None = None
+        # The all-reduced used map of the last synced backward (find_unused_parameters):
+        # what a joined rank contributes while it shadows, as torch DDP.
+        self.last_used_map: torch.Tensor | None = None
         # - per-iteration state
         self.window: _Window | None = None
         self.accumulating = False
@@ -493,6 +496,7 @@ class Reducer:
         self.grad_guard.restore()
         globally_unused: set[int] = set()
         if w.used_map is not None:
+            self.last_used_map = w.used_map
             globally_unused = {i for i, n in enumerate(w.used_map.tolist()) if n == 0}
         if not self.bucket_view:  # with bucket views .grad is the view: nothing to copy
             for bucket in self.buckets:
