@@ -238,6 +238,12 @@ def _refusals() -> dict[str, str]:
     dp = fresh()
     dp.require_manual_backward_finalization = True
     out["manual"] = expect_error(dp.join, "require_manual_backward_finalization=True", "False")
+    # The refused join() left no join mode behind: a plain step has no join bookkeeping.
+    dp.require_manual_backward_finalization = False
+    dp(_batch(0, 0)[0]).sum().backward()
+    out["left_after_refusal"] = (
+        "ok" if log.count(group="dp.join") == 0 else f"join bookkeeping: {log.counts()}"
+    )
     dp = fresh()
     out["manual_inside"] = expect_error(
         _inside_join(dp, lambda: dp.set_manual_backward_finalization(True)),
@@ -289,8 +295,11 @@ def _refusals() -> dict[str, str]:
         lambda: dp.join(divide_by_initial_world_size=False), "with a comm hook", "Pass True"
     )
     # Every refusal above was raised before any collective of its own.
+    grads = log.count("all_reduce", group="dp")  # the one plain step above
     out["no_collectives"] = (
-        "ok" if log.count("all_reduce") == 0 else f"refusals issued collectives: {log.counts()}"
+        "ok"
+        if log.count("all_reduce") == grads == 1
+        else f"refusals issued collectives: {log.counts()}"
     )
     return out
 

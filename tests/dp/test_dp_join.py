@@ -95,6 +95,7 @@ def test_generic_join_with_zero_redundancy_optimizer(suite: list[dict[str, Any]]
     "case",
     [
         "manual",
+        "left_after_refusal",
         "manual_inside",
         "static_graph",
         "set_static_graph_inside",

@@ -343,7 +343,11 @@ class JoinableDataParallel(Joinable):
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
         if enable:
-            check_can_join(self)  # type: ignore[arg-type]  # at entry, not at the first forward
+            try:  # at entry, not at the first forward
+                check_can_join(self)  # type: ignore[arg-type]
+            except DataParallelError:
+                leave_join(self)  # type: ignore[arg-type]  # Join enabled it already
+                raise
         return join
 
     def join_hook(self, **kwargs: Any) -> DataParallelJoinHook:
