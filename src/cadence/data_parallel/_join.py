@@ -33,15 +33,17 @@ under its log name ``dp``, the join bookkeeping under ``dp.join``.
 
 What cannot be shadowed is refused before any collective: by ``model.join()``,
 at each forward (and each ``main_hook``) inside an enabled join, and by the
-setters themselves inside one: a joined rank learns only "this step syncs" at forward, so a sync
-decision taken later (``no_sync()``, ``require_backward_grad_sync = False``, a
-deferred reduction by ``finalize_backward``), a window the caller finalizes
-(manual finalization, split backwards) or a first step that learns the graph
-(``static_graph``) would leave joined ranks in a different collective.
+setters themselves inside one. A joined rank learns only "this step syncs" at
+forward, so a sync decision taken later (``no_sync()``,
+``require_backward_grad_sync = False``, a deferred reduction by
+``finalize_backward``), a window the caller finalizes (manual finalization, split
+backwards) or a first step that learns the graph (``static_graph``) would leave
+joined ranks in a different collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 import torch
@@ -50,7 +52,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from cadence.comm import Comm, CommWork
-from cadence.data_parallel._buckets import Bucket
+from cadence.data_parallel._buckets import Bucket, views_into
 from cadence.data_parallel._reducer import DataParallelError, FutureWork, Reducer
 from cadence.data_parallel.comm_hooks import GradBucket
 from cadence.errors import CadenceValueError
@@ -82,13 +84,9 @@ class _JoinableDataParallel(Protocol):
     def _broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None: ...
 
 
-def inside_join(dp: _JoinableDataParallel) -> bool:
-    return bool(dp._join_config.enable)
-
-
 def refuse_inside_join(dp: _JoinableDataParallel, what: str, fix: str) -> None:
     """Raise (locally, before any collective) if ``what`` is called inside an enabled join."""
-    if inside_join(dp):
+    if dp._join_config.enable:
         raise DataParallelError(
             f"{what} inside DataParallel.join() / Join([...]) is not supported: ranks that "
             f"have joined could not shadow the collectives it changes. Fix: {fix}"
@@ -96,7 +94,7 @@ def refuse_inside_join(dp: _JoinableDataParallel, what: str, fix: str) -> None:
 
 
 def check_can_join(dp: _JoinableDataParallel) -> None:
-    """The settings a join context needs, checked when its hook is made (before any collective)."""
+    """The settings a join needs: checked by join(), at each forward and at each main_hook."""
     r = dp._reducer
     problems = []
     if r.manual:
@@ -221,20 +219,7 @@ class _DataParallelJoin(Join):
 def _zero_replica(bucket: Bucket) -> Bucket:
     """The bucket with a fresh zero buffer: what a joined rank contributes (nothing)."""
     buffer = torch.zeros_like(bucket.buffer)
-    views = []
-    offset = 0
-    for p in bucket.params:
-        views.append(buffer.narrow(0, offset, p.numel()).view_as(p))
-        offset += p.numel()
-    return Bucket(
-        index=bucket.index,
-        params=bucket.params,
-        param_indices=bucket.param_indices,
-        names=bucket.names,
-        buffer=buffer,
-        views=views,
-        delayed=bucket.delayed,
-    )
+    return dataclasses.replace(bucket, buffer=buffer, views=views_into(buffer, bucket.params))
 
 
 class DataParallelJoinHook(JoinHook):
