@@ -24,6 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cadence
+from cadence.data_parallel import comm_hooks
 from cadence.testing import max_abs_diff, run_subtests
 from tests.dp.common import expect_error
 
@@ -71,36 +72,39 @@ def _state(m: nn.Module) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v.detach().clone() for k, v in m.state_dict().items()}
 
 
-def _counting_hook(pg: dist.ProcessGroup | None) -> tuple[Callable[..., Any], list[int]]:
+def _counting_hook(inner: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
     calls: list[int] = []
 
     def hook(state, bucket):  # type: ignore[no-untyped-def]  # torch checks annotations
         calls.append(bucket.buffer().numel())
-        return default_hooks.allreduce_hook(state, bucket)
+        return inner(state, bucket)
 
     return hook, calls
 
 
 def _models(
-    pg: dist.ProcessGroup | None, *, hook: bool, log: cadence.EventLog, **kwargs: Any
+    pg: dist.ProcessGroup | None, *, hook: str | None, log: cadence.EventLog, **kwargs: Any
 ) -> tuple[list[nn.Module], list[int], list[int]]:
     """[cadence, torch DDP, torch DDP counting its bucket all-reduces with a comm hook].
 
     Without ``hook`` the parity oracle is the DDP without a hook: a comm hook makes
     DDP ignore ``divide_by_initial_world_size``. The counting DDP issues the same
-    bucket all-reduces either way.
+    bucket all-reduces either way. ``hook``: cadence gets torch's allreduce hook
+    (returns a Future) or cadence's own (returns a work); torch DDP torch's.
     """
     model = _Net()
     dp = cadence.DataParallel(copy.deepcopy(model), process_group=pg, event_log=log, **kwargs)
     ddp = DDP(copy.deepcopy(model), process_group=pg, **kwargs)
     counting = DDP(copy.deepcopy(model), process_group=pg, **kwargs)
-    ddp_hook, ddp_calls = _counting_hook(pg)
+    ddp_hook, ddp_calls = _counting_hook(default_hooks.allreduce_hook)
     counting.register_comm_hook(pg, ddp_hook)
     dp_calls: list[int] = []
-    if hook:
-        ddp.register_comm_hook(pg, _counting_hook(pg)[0])
-        dp_hook, dp_calls = _counting_hook(pg)
-        dp.register_comm_hook(pg, dp_hook)
+    if hook is not None:
+        ddp.register_comm_hook(pg, default_hooks.allreduce_hook)
+        inner = default_hooks.allreduce_hook if hook == "torch" else comm_hooks.allreduce_hook
+        dp_hook, dp_calls = _counting_hook(inner)
+        # cadence's hook reads its group from the bucket when the state is not a Comm.
+        dp.register_comm_hook(pg if hook == "torch" else None, dp_hook)
     return [dp, ddp, counting], ddp_calls, dp_calls
 
 
@@ -111,7 +115,7 @@ def _parity(
     divide: bool,
     *,
     groups: dict[int, dist.ProcessGroup | None],
-    hook: bool = False,
+    hook: str | None = None,
 ) -> dict[str, Any] | None:
     rank = dist.get_rank()
     if rank >= world:
@@ -150,7 +154,7 @@ def _throw(world: int, *, groups: dict[int, dist.ProcessGroup | None]) -> dict[s
     if rank >= world:
         return None
     log = cadence.EventLog()
-    dp, ddp, _ = _models(groups[world], hook=False, log=log)[0]
+    dp, ddp, _ = _models(groups[world], hook=None, log=log)[0]
     out: dict[str, Any] = {}
     for name, m in (("dp", dp), ("ddp", ddp)):
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
@@ -183,7 +187,7 @@ def _disabled() -> dict[str, Any]:
     no_sync forward and cadence does not, which this case is not about.
     """
     log = cadence.EventLog()
-    models, ddp_calls, _ = _models(None, hook=False, log=log, forward_sync_buffers=False)
+    models, ddp_calls, _ = _models(None, hook=None, log=log, forward_sync_buffers=False)
     dp, ddp, _ = models
     rank = dist.get_rank()
     for m in models:
@@ -205,7 +209,7 @@ def _generic_zero() -> dict[str, Any]:
     """``Join([model, ZeroRedundancyOptimizer])``, torch's generic form, against DDP's."""
     rank = dist.get_rank()
     log = cadence.EventLog()
-    models, ddp_calls, _ = _models(None, hook=False, log=log)
+    models, ddp_calls, _ = _models(None, hook=None, log=log)
     dp, ddp, _ = models
     for m in models:
         opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.SGD, lr=0.05)
@@ -316,10 +320,15 @@ def join_suite() -> dict[str, Any]:
     return {
         "parity": run_subtests(grid, _parity, groups=groups),
         "hooks": run_subtests(
-            {"world": [2, 3], "buffers": [True], "find_unused": [False, True], "divide": [True]},
+            {
+                "world": [2, 3],
+                "buffers": [True],
+                "find_unused": [False, True],
+                "divide": [True],
+                "hook": ["torch", "cadence"],
+            },
             _parity,
             groups=groups,
-            hook=True,
         ),
         "throw": run_subtests({"world": [2, 3]}, _throw, groups=groups),
         "disabled": _disabled(),

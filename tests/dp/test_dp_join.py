@@ -27,7 +27,7 @@ def _cases(suite: list[dict[str, Any]], key: str) -> list[tuple[str, list[dict[s
 @pytest.mark.parametrize("key", ["parity", "hooks"])
 def test_parity_with_ddp_join(suite: list[dict[str, Any]], key: str) -> None:
     cases = _cases(suite, key)
-    assert len(cases) == {"parity": 16, "hooks": 4}[key]
+    assert len(cases) == {"parity": 16, "hooks": 8}[key]
     for label, ranks in cases:
         assert len(ranks) == (2 if "world=2" in label else 3), label
         for r in ranks:
@@ -36,9 +36,9 @@ def test_parity_with_ddp_join(suite: list[dict[str, Any]], key: str) -> None:
             # Every rank, active or joined, issues one all-reduce per bucket per step of
             # the rank with the most batches, as DDP (counted by its comm hook).
             steps = r["max_batches"] * r["num_buckets"]
-            if key == "hooks":  # torch's allreduce_hook on both: counted by the hooks
+            if key == "hooks":  # counted by the hooks (torch's bypasses the event log)
                 assert r["dp_hook_calls"] == r["ddp_hook_calls"] == steps, (label, r)
-            else:
+            if "hook='torch'" not in label:
                 assert r["grad_all_reduces"] == r["ddp_hook_calls"] == steps, (label, r)
             unused = "find_unused=True" in label
             assert r["used_map_all_reduces"] == (r["max_batches"] if unused else 0), (label, r)
