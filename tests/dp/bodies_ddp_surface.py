@@ -336,7 +336,7 @@ def delayed_and_precision() -> dict[str, Any]:
 
 
 def comm_hooks_and_toggles() -> dict[str, Any]:
-    """torch's own comm hooks run unchanged; _set_static_graph; join refused; FSDP2 verbs."""
+    """torch's own comm hooks run unchanged; _set_static_graph; FSDP2 verbs."""
     model = make_mlp()
     out: dict[str, Any] = {}
     for name, hook in (
@@ -365,8 +365,6 @@ def comm_hooks_and_toggles() -> dict[str, Any]:
         F.mse_loss(ref(x), y).backward()
     out["set_static_graph"] = max_abs_diff(strip(named_grads(dp)), named_grads(ref))
     out["static_graph_attr"] = float(dp.static_graph)
-    out["join"] = expect_error(lambda: dp.join(), "join()", "drop_last=True")
-    out["join_hook"] = expect_error(lambda: dp.join_hook(), "join()")
     # FSDP2's verbs, so a script switches wrappers with one line.
     log = cadence.EventLog()
     dp = cadence.DataParallel(copy.deepcopy(model), event_log=log)

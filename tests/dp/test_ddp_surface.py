@@ -106,6 +106,4 @@ def test_torch_comm_hooks_and_toggles(surface: list[dict[str, Any]]) -> None:
     assert r["torch_hook_allreduce"] < 1e-6, r
     assert r["torch_hook_fp16"] < 1e-6, r
     assert r["set_static_graph"] < 1e-6 and r["static_graph_attr"] == 1.0, r
-    assert r["join"] == "ok", r["join"]
-    assert r["join_hook"] == "ok", r["join_hook"]
     assert r["fsdp_verbs_all_reduces"] == 1, r

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "build_buckets"]
+__all__ = ["Bucket", "build_buckets", "views_into"]
 
 _MB = 1024 * 1024
 
@@ -77,11 +77,7 @@ def build_buckets(
         wire = reduce_dtype or params[0].dtype
         numel = sum(p.numel() for p in params)
         buffer = torch.zeros(numel, dtype=wire, device=params[0].device)
-        views = []
-        offset = 0
-        for p in params:
-            views.append(buffer.narrow(0, offset, p.numel()).view_as(p))
-            offset += p.numel()
+        views = views_into(buffer, params)
         buckets.append(
             Bucket(
                 index=index,
@@ -94,3 +90,13 @@ def build_buckets(
             )
         )
     return buckets
+
+
+def views_into(buffer: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """One view of ``buffer`` per parameter, shaped like it, packed in order."""
+    views = []
+    offset = 0
+    for p in params:
+        views.append(buffer.narrow(0, offset, p.numel()).view_as(p))
+        offset += p.numel()
+    return views

@@ -35,7 +35,7 @@ from cadence.data_parallel._buckets import Bucket
 from cadence.data_parallel.comm_hooks import GradBucket
 from cadence.errors import CadenceRuntimeError
 
-__all__ = ["DataParallelError", "ForwardToken", "Reducer", "WindowState"]
+__all__ = ["DataParallelError", "ForwardToken", "FutureWork", "Reducer", "WindowState"]
 
 
 class DataParallelError(CadenceRuntimeError):
@@ -77,7 +77,7 @@ class _Window:
     fast: bool = False  # see [Note: the hook's fast path]
 
 
-class _FutureWork:
+class FutureWork:
     """Adapts a comm hook's ``torch.futures.Future`` to the `CommWork` interface."""
 
     def __init__(self, fut: torch.futures.Future, bucket: Bucket) -> None:
@@ -145,6 +145,12 @@ class Reducer:
         self.expected_counts: dict[int, int] | None = None  # learned under static_graph
         self.comm_hook: tuple[Any, Callable[..., Any]] | None = None
         self.wire_divide = True  # pre-divide before SUM unless a custom hook owns averaging
+        # Inside a join with divide_by_initial_world_size=False: the number of active
+        # ranks this step (see [Note: DP join] in _join.py); None divides by the world.
+        self.divisor: Callable[[], int] | None = None
+        # The all-reduced used map of the last synced backward (find_unused_parameters):
+        # what a joined rank contributes while it shadows, as torch DDP.
+        self.last_used_map: torch.Tensor | None = None
         # - per-iteration state
         self.window: _Window | None = None
         self.accumulating = False
@@ -339,7 +345,7 @@ class Reducer:
                 # One pass per gradient: scale straight into the bucket (copy-then-divide
                 # reads and writes the bucket twice; see docs/bench_dp.md).
                 # A true divide, not a multiply by 1/world: it rounds as torch DDP does.
-                world = self.comm.world_size
+                world = self._divide_by()
                 for v, _, g in present:
                     torch.div(g, world, out=v)
             elif present:
@@ -351,15 +357,18 @@ class Reducer:
                     if g is not v and not g.requires_grad:
                         p.grad = v
         elif scale:
-            bucket.buffer.div_(self.comm.world_size)
+            bucket.buffer.div_(self._divide_by())
         if self.comm_hook is not None:
             state, hook = self.comm_hook
             result = hook(state, GradBucket(bucket, self.comm, is_last=b == len(self.buckets) - 1))
             if isinstance(result, torch.futures.Future):
-                result = _FutureWork(result, bucket)
+                result = FutureWork(result, bucket)
             w.works[b] = CommWork(result)
             return
         w.works[b] = self.comm.all_reduce(bucket.buffer, async_op=True)
+
+    def _divide_by(self) -> int:
+        return self.divisor() if self.divisor is not None else self.comm.world_size
 
     def _launch_used_map(self) -> None:
         w = self.window
@@ -487,6 +496,7 @@ class Reducer:
         self.grad_guard.restore()
         globally_unused: set[int] = set()
         if w.used_map is not None:
+            self.last_used_map = w.used_map
             globally_unused = {i for i, n in enumerate(w.used_map.tolist()) if n == 0}
         if not self.bucket_view:  # with bucket views .grad is the view: nothing to copy
             for bucket in self.buckets:

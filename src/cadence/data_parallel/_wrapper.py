@@ -22,11 +22,17 @@ from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
 from cadence.data_parallel._ddp_args import UNSET, resolve_ddp_args
+from cadence.data_parallel._join import JoinableDataParallel, join_forward, refuse_inside_join
 from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
 from cadence.errors import CadenceValueError
 from cadence.topology import DataParallelGroup, DataParallelLayout
 
 __all__ = ["DataParallel"]
+
+_ACCUMULATE_OUTSIDE_JOIN = (
+    "accumulate gradients outside the join context, or give every rank the same number "
+    "of micro-steps per optimizer step."
+)
 
 
 class _Sink(torch.autograd.Function):
@@ -66,7 +72,7 @@ def _used_params(outputs: list[torch.Tensor], index_of: dict[int, int]) -> set[i
     return used
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, JoinableDataParallel):
     """Replicated data parallelism with caller-controlled gradient finalization.
 
     Gradients are packed into buckets (reverse registration order, a small last
@@ -106,7 +112,8 @@ class DataParallel(nn.Module):
         reduce_dtype: dtype on the wire (e.g. ``torch.bfloat16``); ``.grad`` keeps
             the parameter dtype, so accumulation stays in full precision.
         event_log: record collectives here (otherwise a log bounded to the newest
-            4096 events is kept as ``dp.event_log``).
+            4096 events is kept as ``dp.event_log``). Gradient all-reduces are logged
+            under the group name ``dp``, `join` bookkeeping under ``dp.join``.
     """
 
     def __init__(
@@ -191,6 +198,7 @@ class DataParallel(nn.Module):
         self.event_log = event_log if event_log is not None else EventLog(capacity=4096)
         self.process_group = layout.dp_group()
         self._comm = Comm(self.process_group, event_log=self.event_log, name="dp")
+        self._init_join(ignored=plan.ignored)
         # -- DDP's public attributes, as scripts read them --
         self.device_ids = plan.device_ids
         self.output_device = plan.output_device
@@ -253,14 +261,14 @@ class DataParallel(nn.Module):
             if with_buffers:
                 self._broadcast_tensors(self._buffers_to_sync)
 
-    def _broadcast_tensors(self, tensors: list[torch.Tensor]) -> None:
+    def _broadcast_tensors(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         # One broadcast per dtype (coalesced), not one per tensor.
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault((t.dtype, t.device), []).append(t)
         for group in by_dtype.values():
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            self._comm.broadcast(flat, src=0)
+            self._comm.broadcast(flat, src=src)
             offset = 0
             for t in group:
                 t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -293,6 +301,12 @@ class DataParallel(nn.Module):
             "the end-of-backward callback reads the mode.",
             DataParallelError,
         )
+        if enabled:
+            refuse_inside_join(
+                self,
+                "require_manual_backward_finalization=True",
+                "finalize automatically inside the join context.",
+            )
         if not enabled and self._reducer.pending:
             raise DataParallelError(
                 "cannot turn manual finalization off while reductions are pending; call "
@@ -322,6 +336,8 @@ class DataParallel(nn.Module):
             "the sync decision of a backward is taken when it starts.",
             DataParallelError,
         )
+        if not enabled:
+            refuse_inside_join(self, "turning gradient sync off", _ACCUMULATE_OUTSIDE_JOIN)
         self._reducer.require_sync = bool(enabled)
 
     @property
@@ -346,6 +362,9 @@ class DataParallel(nn.Module):
     @forward_sync_buffers.setter
     def forward_sync_buffers(self, enabled: bool) -> None:
         self.broadcast_buffers = bool(enabled)
+
+    def _syncs_buffers_at_forward(self) -> bool:
+        return self._comm.world_size > 1 and self.will_sync_module_buffers()
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts buffers from rank 0 (as torch DDP)."""
@@ -372,6 +391,7 @@ class DataParallel(nn.Module):
                 "_set_static_graph() while a backward or its reductions are pending; call it "
                 "between steps (or pass static_graph=True to the constructor)."
             )
+        refuse_inside_join(self, "_set_static_graph()", "call it outside the join context.")
         self._reducer.static_graph = True
 
     def set_is_last_backward(self, is_last: bool) -> None:
@@ -394,27 +414,10 @@ class DataParallel(nn.Module):
     def set_reshard_after_backward(self, enabled: bool, *, recurse: bool = True) -> None:
         """FSDP2's verb, for one-line switching: nothing is sharded here, so nothing to do."""
 
-    def join(self, *args: Any, **kwargs: Any) -> Any:
-        """Refused: DataParallel does not shadow collectives for ranks that ran out of data.
-
-        With uneven inputs the ranks with more batches would wait forever in an
-        all-reduce. Give every rank the same number of steps (e.g.
-        ``DistributedSampler(drop_last=True)``, or stop when any rank is out of data
-        via an all-reduced flag).
-        """
-        raise DataParallelError(
-            "DataParallel.join() (uneven inputs) is not supported: every rank must run the "
-            "same number of synced backwards. Fix: use DistributedSampler(..., drop_last=True) "
-            "or stop all ranks together when one runs out of data."
-        )
-
-    def join_hook(self, **kwargs: Any) -> Any:
-        """Refused, as `join`."""
-        return self.join()
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """DDP-compatible: backwards inside, and backwards of forwards run inside, accumulate."""
+        refuse_inside_join(self, "no_sync()", _ACCUMULATE_OUTSIDE_JOIN)
         previous = self._reducer.require_sync
         self._reducer.require_sync = False
         self._no_sync_depth += 1
@@ -454,6 +457,7 @@ class DataParallel(nn.Module):
         ``cadence/_timing.py``.
         """
         check_split_part(part, self._reducer.split_part, DataParallelError)
+        refuse_inside_join(self, "split_backward()", "run whole backwards inside the join context.")
         self._reducer.begin_split_part(part)
         try:
             yield
@@ -536,7 +540,9 @@ class DataParallel(nn.Module):
             self._reducer.check_can_start("the next forward")
         if self._gradient_as_bucket_view:
             self._attach_bucket_views()
-        if self._comm.world_size > 1 and self.will_sync_module_buffers():
+        if self._join_config.enable:
+            join_forward(self)  # buffers come from the newest active rank, see _join.py
+        elif self._syncs_buffers_at_forward():
             with torch.no_grad():
                 self._broadcast_tensors(self._buffers_to_sync)
         if self._input_device is not None:  # device_ids=[i]: inputs move there, as DDP
