@@ -262,6 +262,33 @@ def buffers() -> dict[str, float]:
     dp(x)
     out["rfps_true_broadcasts"] = float(log.count("broadcast"))
     out["rfps_true_spread"] = _spread(dp.module.stat)
+    # Which forwards broadcast, against DDP's own decision (will_sync_module_buffers):
+    # a forward after a no_sync, flag-off or no-grad forward does not.
+    pattern = {}
+    for name, model in (
+        ("ddp", DDP(_WithBuffer())),
+        ("cadence", cadence.DataParallel(_WithBuffer(), event_log=log)),
+    ):
+        seen = []
+        for kind in ("sync", "no_sync", "sync", "no_grad", "sync", "flag_off", "sync"):
+            if name == "ddp":
+                seen.append(float(model.will_sync_module_buffers()))
+            log.clear()
+            if kind == "no_grad":
+                with torch.no_grad():
+                    model(x)
+            elif kind == "no_sync":
+                with model.no_sync():
+                    model(x).sum().backward()
+            else:
+                model.require_backward_grad_sync = kind != "flag_off"
+                model(x).sum().backward()
+                model.require_backward_grad_sync = True
+            if name == "cadence":
+                seen.append(float(log.count("broadcast")))
+        pattern[name] = seen
+    out["ddp_pattern"] = pattern["ddp"]  # type: ignore[assignment]
+    out["cadence_pattern"] = pattern["cadence"]  # type: ignore[assignment]
     # init_sync=False: rank-dependent parameters stay rank-dependent.
     torch.manual_seed(rank)
     dp = cadence.DataParallel(nn.Linear(WIDTH, 1), init_sync=False, event_log=log)

@@ -74,6 +74,8 @@ def test_buffer_sync_arguments(surface: list[dict[str, Any]]) -> None:
     assert r["fsb_false_forward_broadcasts"] == 0, r
     assert r["rfps_false_broadcasts"] == 0 and r["rfps_false_spread"] == 1.0, r
     assert r["rfps_true_broadcasts"] == 1 and r["rfps_true_spread"] == 0.0, r
+    assert r["ddp_pattern"] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0], r
+    assert r["cadence_pattern"] == r["ddp_pattern"], r
     assert r["no_init_sync_spread"] > 0, r
 
 

@@ -548,6 +548,12 @@ class DataParallel(nn.Module, JoinableDataParallel):
         if self._input_device is not None:  # device_ids=[i]: inputs move there, as DDP
             args, kwargs = pytree.tree_map(self._to_input_device, (args, kwargs))
         out = self.module(*args, **kwargs)
+        # As torch DDP's post-forward: the next forward broadcasts buffers only after a
+        # forward that was to sync gradients (one under no_sync(), with the flag off, or
+        # without grad skips it), so both issue the same broadcasts.
+        self.require_forward_param_sync = (
+            torch.is_grad_enabled() and self.require_backward_grad_sync and not self._no_sync_depth
+        )
         if not torch.is_grad_enabled():
             return out
         flat, spec = pytree.tree_flatten(out)
