@@ -28,7 +28,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
-            raise CadenceValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+            raise CadenceValueError(
+                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
+            )
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise CadenceValueError(f"GPTConfig.{name} must be >= 1")

@@ -240,9 +240,7 @@ class PipelineRuntime:
         return None
 
     def _split_refusal(self) -> str | None:
-        split = {
-            c.stage for a in self.actions for c in a.compute_parts() if c.kind in (K.I, K.W)
-        }
+        split = {c.stage for a in self.actions for c in a.compute_parts() if c.kind in (K.I, K.W)}
         for s in sorted(split & set(self._sync)):
             why = self._sync[s].split_refusal()
             if why is not None:
