@@ -25,7 +25,9 @@ wrote: ``MODES`` puts ``precompile`` before ``cache``, so in the first repetitio
 and hence in every one, there is such a run.
 
 The time of a mode is the slowest rank's, from a barrier to the end of its first
-backward (the job waits for its slowest rank). Its CPU time is summed over ranks
+backward (the job waits for its slowest rank). Every mode imports dynamo (with
+``cadence.precompile``) before the clock starts; what else a mode imports on its
+way (inductor, the loader) counts as its own. Its CPU time is summed over ranks
 and includes the C++ compiler's child processes (``TORCHINDUCTOR_COMPILE_THREADS=1``
 keeps inductor from farming the compile out to a worker pool this clock would
 miss): on a shared host the ranks compete for the same cores, so the CPU a job
