@@ -52,14 +52,14 @@ _HEADER = """\
 Every comparison runs cadence and PyTorch's own implementation (cloudpickle for the
 pickler, `torch.compile` on every rank for precompile) in the same process tree
 (precompile: in fresh rank processes per run, see its section), interleaved
-repetition by repetition with the order rotated, so machine noise hits both alike. **ratio** is cadence / torch per
-repetition (lower is better): median, with the quartiles and the range over
-repetitions. **A/A** is torch against a second identical torch copy under the same
-noise: a ratio within the A/A spread of 1.00 is no measured difference. The load
-average (1 minute) before and after the run and the core count are given per kind;
-absolute times are listed in each record and mean little on a shared CPU machine
-(on CUDA, with NCCL, they are the figure to read). Correctness is the test suite's
-job, never the benchmark's.
+repetition by repetition with the order rotated, so machine noise hits both alike.
+**ratio** is cadence / torch per repetition (lower is better): median, with the
+quartiles and the range over repetitions. **A/A** is torch against a second identical
+torch copy under the same noise: a ratio within the A/A spread of 1.00 is no measured
+difference. The load average (1 minute) before and after the run and the core count
+are given per kind; absolute times are listed in each record and mean little on a
+shared CPU machine (on CUDA, with NCCL, they are the figure to read). Correctness is
+the test suite's job, never the benchmark's.
 
 Reproduce (from the repository root):
 
