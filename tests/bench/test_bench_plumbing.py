@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cadence.bench import run_bench, write_docs
-from cadence.bench.report import latest_records
+from cadence.bench.report import latest_records, render
 from cadence.cli import build_parser, main
 from cadence.errors import CadenceValueError
 
@@ -69,6 +69,31 @@ def test_pickle_record(tmp_path: Path) -> None:
     _check_record(record, path, "pickle")
     metrics = [r["metric"] for r in record["rows"]]
     assert metrics == ["dumps time", "payload size"]
+
+
+def test_precompile_record(tmp_path: Path) -> None:
+    record, path, _ = run_bench("precompile", tiny=True, out_dir=tmp_path)
+    _check_record(record, path, "precompile")
+    rows = [(r["case"], r["metric"]) for r in record["rows"]]
+    assert rows == [
+        ("precompile", "time to first step, slowest rank"),
+        ("cache", "time to first step, slowest rank"),
+        ("precompile", "CPU time to first step, all ranks"),
+        ("cache", "CPU time to first step, all ranks"),
+    ]
+    for row in record["rows"]:
+        assert row["ratio"]["n"] == 1 and row["aa"]["n"] == 1  # one repetition when tiny
+        assert set(row["abs_ms"]) == {"jit", "jit_b", "precompile", "cache"}
+        assert row["target"] is None
+    # Each mode reached its step the way it claims: rank 0 compiled and the other
+    # rank received in the precompile run; both loaded from disk in the cache run.
+    assert record["rows"][0]["extra"]["sources"] == "compiled,received"
+    assert record["rows"][1]["extra"]["sources"] == "cache"
+    assert record["settings"]["world"] == 2
+    assert record["settings"]["inductor_cache"] == "one cold per rank"
+    page = render({"precompile": dict(record, _path=str(path))})
+    assert "one compile per job instead of one per rank, not a faster kernel" in page
+    assert "| precompile (precompile / jit on 2 ranks) | time to first step" in page
 
 
 def test_cli_report_and_refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,10 @@
 - ``dp``: DataParallel vs DDP (`cadence.bench.dp`);
 - ``fsdp``: fully_shard vs FSDP2, step time and peak RSS growth (`cadence.bench.fsdp`);
 - ``pp``: pipeline runtime vs torch pipelining, five schedules (`cadence.bench.pp`);
-- ``pickle``: cadence.pickling vs cloudpickle (`cadence.bench.pickle`).
+- ``pickle``: cadence.pickling vs cloudpickle (`cadence.bench.pickler`);
+- ``precompile``: time to the first step on 2 ranks, ``torch.compile`` on every rank
+  vs `cadence.precompile` (compile once, broadcast) vs its cache
+  (`cadence.bench.precompile`).
 
 Each comparison runs in one process tree, interleaves the implementations, and
 reports median ratios with their spread, an A/A noise figure and the machine load.

@@ -23,7 +23,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["device_and_backend", "interleave", "launch_ranks", "loadavg", "slowest_per_rep"]
+__all__ = [
+    "device_and_backend",
+    "interleave",
+    "launch_ranks",
+    "loadavg",
+    "rank_device",
+    "slowest_per_rep",
+]
 
 
 def device_and_backend(world: int) -> tuple[str, str]:
@@ -33,6 +40,15 @@ def device_and_backend(world: int) -> tuple[str, str]:
     if torch.cuda.is_available() and torch.cuda.device_count() >= world:
         return "cuda", "nccl"
     return "cpu", "gloo"
+
+
+def rank_device() -> str:
+    """This rank's device inside `launch_ranks`: its own GPU, or "cpu"."""
+    import torch
+    import torch.distributed as dist
+
+    device, _ = device_and_backend(dist.get_world_size())
+    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
 
 
 def launch_ranks(

@@ -11,8 +11,8 @@ from cadence.errors import CadenceValueError
 
 __all__ = ["KINDS", "format_rows", "run_bench"]
 
-KINDS = ("dp", "fsdp", "pp", "pickle")
-_MODULES = {"dp": "dp", "fsdp": "fsdp", "pp": "pp", "pickle": "pickler"}
+KINDS = ("dp", "fsdp", "pp", "pickle", "precompile")
+_MODULES = {"dp": "dp", "fsdp": "fsdp", "pp": "pp", "pickle": "pickler", "precompile": "precompile"}
 
 
 def _fmt(summary: dict[str, float] | None) -> str:

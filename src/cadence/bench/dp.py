@@ -26,6 +26,7 @@ from cadence.bench._loop import (
     interleave,
     launch_ranks,
     loadavg,
+    rank_device,
     slowest_per_rep,
 )
 from cadence.bench._memory import MEMORY_ENV, floor_page, peak_growth
@@ -84,7 +85,7 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int, cap_mb: 
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    device = _device()
+    device = rank_device()
     out: dict[str, Any] = {}
     for name, spec in cases.items():
         base = _model(spec).to(device)
@@ -106,14 +107,6 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int, cap_mb: 
         out[name] = {"times": times, "cpu": cpu, "buckets": models["cadence"].num_buckets}
         del models, opts
     return out
-
-
-def _device() -> str:
-    import torch
-    import torch.distributed as dist
-
-    device, _ = device_and_backend(dist.get_world_size())
-    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
 
 
 def _wrap(impl: str, model: Any, cap_mb: float, device: str) -> Any:
@@ -141,7 +134,7 @@ def rss_body(impl: str, cases: dict[str, dict[str, Any]], steps: int, cap_mb: fl
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    device = _device()
+    device = rank_device()
     out: dict[str, int] = {}
     for name, spec in cases.items():
         model = _wrap(impl, _model(spec).to(device), cap_mb, device)

@@ -27,6 +27,7 @@ from cadence.bench._loop import (
     interleave,
     launch_ranks,
     loadavg,
+    rank_device,
     slowest_per_rep,
 )
 from cadence.bench._memory import MEMORY_ENV, floor_page, peak_growth
@@ -90,14 +91,6 @@ def _shard(impl: str, net: Any, prefetch: bool, reshard: bool, device: str) -> A
     return root
 
 
-def _device() -> str:
-    import torch
-    import torch.distributed as dist
-
-    device, _ = device_and_backend(dist.get_world_size())
-    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
-
-
 def _stepper(model: Any, x: Any) -> Any:
     import torch
 
@@ -115,7 +108,7 @@ def rank_body(shapes: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict
     import torch
     import torch.distributed as dist
 
-    device = _device()
+    device = rank_device()
     out: dict[str, Any] = {}
     for shape, s in shapes.items():
         base = _net(s["layers"], s["dim"]).to(device)
@@ -137,7 +130,7 @@ def rss_body(impl: str, shapes: dict[str, dict[str, Any]], steps: int) -> dict[s
     import torch
     import torch.distributed as dist
 
-    device = _device()
+    device = rank_device()
     out: dict[str, Any] = {}
     for shape, s in shapes.items():
         g = torch.Generator().manual_seed(dist.get_rank())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from cadence.bench._loop import device_and_backend, interleave, launch_ranks, loadavg
+from cadence.bench._loop import device_and_backend, interleave, launch_ranks, loadavg, rank_device
 from cadence.bench._record import make_record, paired_ratios, ratio_summary
 
 __all__ = ["SCHEDULES", "mse", "rank_body", "run"]
@@ -54,8 +54,7 @@ def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
     from cadence.pipeline.schedule import placement_for, torch_schedule_name
 
     rank, p = dist.get_rank(), dist.get_world_size()
-    device, _ = device_and_backend(p)
-    device = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu"
+    device = rank_device()
     m = sizes["microbatches"]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(sizes["batch"], sizes["width"], generator=g).to(device)

@@ -22,6 +22,25 @@ _TITLES = {
     "fsdp": "fully_shard vs torch FSDP2",
     "pp": "pipeline runtime vs torch pipelining",
     "pickle": "cadence.pickling vs cloudpickle",
+    "precompile": "precompile vs torch.compile on every rank: time to the first step",
+}
+
+# What a kind's ratio does and does not mean, printed above its table.
+_NOTES = {
+    "precompile": (
+        "Fresh rank processes with an empty inductor cache each (cold nodes), per\n"
+        "repetition: `jit` (every rank compiles its step with `torch.compile`),\n"
+        "`precompile` (rank 0 compiles ahead of time and broadcasts, the others load)\n"
+        "and `cache` (every rank loads the artifact a previous job wrote to\n"
+        "`cache_dir`); ratio = mode / `jit`, A/A = `jit` / a second `jit`. Time is the\n"
+        "slowest rank's, from a barrier to the end of the first backward; CPU time is\n"
+        "summed over ranks, the C++ compiler's processes included. On CPU the gain is\n"
+        "one compile per job instead of one per rank, not a faster kernel: every mode\n"
+        "runs the same kernels. Rank 0 still compiles as long as a `jit` rank does, so\n"
+        "`precompile` shortens the wall time only where the ranks' compiles would\n"
+        "compete for the same cores; without that contention it adds the broadcast and\n"
+        "the load to one compile. The `cache` row is what a restarted job gains.\n"
+    ),
 }
 
 _HEADER = """\
@@ -31,24 +50,26 @@ _HEADER = """\
      rerun the benchmarks and the report instead. -->
 
 Every comparison runs cadence and PyTorch's own implementation (cloudpickle for the
-pickler) in the same process tree, interleaved repetition by repetition with the
-order rotated, so machine noise hits both alike. **ratio** is cadence / torch per
-repetition (lower is better): median, with the quartiles and the range over
-repetitions. **A/A** is torch against a second identical torch copy under the same
-noise: a ratio within the A/A spread of 1.00 is no measured difference. The load
-average (1 minute) before and after the run and the core count are given per kind;
-absolute times are listed in each record and mean little on a shared CPU machine
-(on CUDA, with NCCL, they are the figure to read). Correctness is the test suite's
-job, never the benchmark's.
+pickler, `torch.compile` on every rank for precompile) in the same process tree
+(precompile: in fresh rank processes per run, see its section), interleaved
+repetition by repetition with the order rotated, so machine noise hits both alike.
+**ratio** is cadence / torch per repetition (lower is better): median, with the
+quartiles and the range over repetitions. **A/A** is torch against a second identical
+torch copy under the same noise: a ratio within the A/A spread of 1.00 is no measured
+difference. The load average (1 minute) before and after the run and the core count
+are given per kind; absolute times are listed in each record and mean little on a
+shared CPU machine (on CUDA, with NCCL, they are the figure to read). Correctness is
+the test suite's job, never the benchmark's.
 
 Reproduce (from the repository root):
 
 ```
-cadence bench dp        # DataParallel vs DDP, three shapes
-cadence bench fsdp      # fully_shard vs FSDP2, prefetch x reshard_after_forward, RSS
-cadence bench pp        # five schedules, world 2 and 4
-cadence bench pickle    # pickler vs cloudpickle
-cadence bench report    # regenerate this page
+cadence bench dp          # DataParallel vs DDP, three shapes
+cadence bench fsdp        # fully_shard vs FSDP2, prefetch x reshard_after_forward, RSS
+cadence bench pp          # five schedules, world 2 and 4
+cadence bench pickle      # pickler vs cloudpickle
+cadence bench precompile  # time to the first step on 2 ranks: jit, precompile, cache
+cadence bench report      # regenerate this page
 ```
 
 `--quick` runs fewer repetitions (a minute or two per kind on 2 cores).
@@ -104,6 +125,8 @@ def render(records: dict[str, dict[str, Any]], page_dir: Path | None = None) -> 
     out = [_HEADER]
     for kind in KINDS:
         out.append(f"\n## {_TITLES[kind]}\n")
+        if kind in _NOTES:
+            out.append(_NOTES[kind])
         record = records.get(kind)
         if record is None:
             out.append(f"No record yet: run `cadence bench {kind}`.\n")
