@@ -5,8 +5,8 @@
   channels and digest (`cadence.pipeline.schedule.show`).
 - ``cadence schedule compare``: cadence's generators against torch pipelining's,
   in cadence's simulator (`cadence.pipeline.schedule.compare`; needs torch).
-- ``cadence bench {dp,fsdp,pp,pickle,report}``: cadence against PyTorch's own
-  implementations, side by side (`cadence.bench`).
+- ``cadence bench {dp,fsdp,pp,pickle,precompile,report}``: cadence against
+  PyTorch's own implementations, side by side (`cadence.bench`).
 
 Building the parser imports no torch; a subcommand imports what it needs when it
 runs, so ``cadence schedule show`` and ``cadence --help`` work where torch is not
@@ -259,7 +259,8 @@ def _schedule_compare(args: argparse.Namespace) -> int:
 def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` to an argparse sub-parser collection."""
     parser = subparsers.add_parser(
-        "bench", help="cadence vs PyTorch's own DDP, FSDP2, pipelining (and cloudpickle)"
+        "bench",
+        help="cadence vs PyTorch's own DDP, FSDP2, pipelining, torch.compile (and cloudpickle)",
     )
     parser.add_argument(
         "kind",
