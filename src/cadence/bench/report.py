@@ -57,7 +57,10 @@ repetition by repetition with the order rotated, so machine noise hits both alik
 quartiles and the range over repetitions. **A/A** is torch against a second identical
 torch copy under the same noise: a ratio within the A/A spread of 1.00 is no measured
 difference. The load average (1 minute) before and after the run and the core count
-are given per kind; absolute times are listed in each record and mean little on a
+are given per kind; it counts the benchmark's own rank processes (two busy ranks on
+two cores read as about 2, world 4 as about 4), and a run that starts right after
+another inherits that one's figure. Absolute times are listed in each record and mean
+little on a
 shared CPU machine (on CUDA, with NCCL, they are the figure to read). Correctness is
 the test suite's job, never the benchmark's.
 
