@@ -60,9 +60,8 @@ difference. The load average (1 minute) before and after the run and the core co
 are given per kind; it counts the benchmark's own rank processes (two busy ranks on
 two cores read as about 2, world 4 as about 4), and a run that starts right after
 another inherits that one's figure. Absolute times are listed in each record and mean
-little on a
-shared CPU machine (on CUDA, with NCCL, they are the figure to read). Correctness is
-the test suite's job, never the benchmark's.
+little on a shared CPU machine (on CUDA, with NCCL, they are the figure to read).
+Correctness is the test suite's job, never the benchmark's.
 
 Reproduce (from the repository root):
 
