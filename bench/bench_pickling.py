@@ -20,7 +20,6 @@ import functools
 import pickle
 import sys
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,85 +30,12 @@ import cloudpickle
 import dill
 
 from cadence import pickling
+from cadence.bench.pickler import CORPUS
 
 __all__ = ["CORPUS", "main"]
 
 
-def small_closure() -> Any:
-    k = 3
-
-    def add(x):
-        return x + k
-
-    return add
-
-
-def wrapper_chain(depth: int = 8) -> Any:
-    def base(x):
-        """Base."""
-        return x + 1
-
-    fn = base
-    for i in range(depth):
-
-        def deco(f, i=i):
-            @functools.wraps(f)
-            def wrapper(x):
-                return f(x) * 2 + i
-
-            return wrapper
-
-        fn = deco(fn)
-    return fn
-
-
-def class_heavy() -> Any:
-    ns: dict[str, Any] = {"__name__": "bench_classes"}
-    for i in range(30):
-        exec(f"def m{i}(self, x):\n    return self.v * x + {i}\n", ns)
-    methods = {f"m{i}": ns[f"m{i}"] for i in range(30)}
-
-    def make():
-        class Model:
-            def __init__(self, v):
-                self.v = v
-                self.name = f"model-{v}"
-
-        for name, m in methods.items():
-            setattr(Model, name, m)
-        return Model
-
-    model = make()
-    return [model(i) for i in range(200)], model
-
-
-def large_globals() -> Any:
-    # A module holding a large unrelated global; a wraps wrapper published from it.
-    mod = types.ModuleType("bench_large_globals")
-    sys.modules[mod.__name__] = mod
-    exec(
-        "import functools\n"
-        "SCALE = 3\n"
-        "TABLE = list(range(200_000))\n"
-        "def scaled(fn):\n"
-        "    @functools.wraps(fn)\n"
-        "    def wrapper(x):\n"
-        "        return fn(x) * SCALE\n"
-        "    return wrapper\n"
-        "def base(x):\n"
-        "    return x + 1\n"
-        "h = scaled(base)\n",
-        mod.__dict__,
-    )
-    return mod.h
-
-
-CORPUS: dict[str, Callable[[], Any]] = {
-    "small closure": small_closure,
-    "wrapper chain (8)": wrapper_chain,
-    "class-heavy (30 methods, 200 inst.)": class_heavy,
-    "large module globals": large_globals,
-}
+# The code corpus (CORPUS) is `cadence bench pickle`'s, so both measure the same objects.
 
 
 def big_memoryview(mb: int) -> Any:
