@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cadence
 from cadence.pipeline.runtime.grad_sync import StageGradSync
 from cadence.testing import max_abs_diff
+from tests.dp.common import expect_error as _error
 from tests.fsdp.bodies_parity import _Counter
 from tests.fsdp.common import (
     apply_torch,
@@ -25,15 +26,6 @@ from tests.fsdp.common import (
 )
 
 __all__ = ["torch_timing_body"]
-
-
-def _error(fn: Any, *fragments: str) -> str:
-    try:
-        fn()
-    except cadence.CadenceError as exc:
-        missing = [f for f in fragments if f not in str(exc)]
-        return f"message lacks {missing}: {exc}" if missing else "ok"
-    return "no error raised"
 
 
 def _fsdp2(rank: int, world: int) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 import cadence
 from cadence.fsdp import fully_shard
 from cadence.testing import max_abs_diff, run_subtests
+from tests.dp.common import expect_error as _error
 from tests.fsdp.bodies_parity import _Counter
 from tests.fsdp.common import (
     apply_cadence,
@@ -27,15 +28,6 @@ from tests.fsdp.common import (
 )
 
 __all__ = ["fsdp2_surface"]
-
-
-def _error(fn: Any, *fragments: str) -> str:
-    try:
-        fn()
-    except cadence.CadenceError as exc:
-        missing = [f for f in fragments if f not in str(exc)]
-        return f"message lacks {missing}: {exc}" if missing else "ok"
-    return "no error raised"
 
 
 def _mesh_parity(rank: int, world: int) -> dict[str, Any]:
