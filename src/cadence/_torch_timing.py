@@ -49,7 +49,7 @@ __all__ = ["gradient_timing"]
 
 
 class _TorchTiming:
-    """Shared part of the two adapters; see [Note: driving torch's wrappers ...]."""
+    """Shared part of the two adapters; see [Note: driving torch's wrappers with the timing verbs]."""
 
     kind = "torch wrapper"
 

@@ -58,15 +58,7 @@ def _err(msg: str) -> ScheduleValidationError:
 
 
 def inputs_of(a: Action, n_stages: int) -> list[Edge]:
-    """The edges a compute action consumes; see [Note: reduction rules]
-    A lowered schedule either reduces every stage's gradients or none (an
-    accumulation step, lowered with ``reduce_grad=False``). Where it does, each stage
-    has exactly one REDUCE_GRAD, on its own rank, after its last B or W (before that
-    its gradients are not final), and exactly one WAIT_REDUCE_GRAD after it in the
-    same step: a missing wait would leave a reduction in flight into the optimizer
-    step, a duplicate one or a second issue has no meaning.
-
-    [Note: the dataflow of a compute action]."""
+    """The edges a compute action consumes; see [Note: the dataflow of a compute action]."""
     out = []
     for c in a.compute_parts():
         assert c.mb is not None
@@ -78,15 +70,7 @@ def inputs_of(a: Action, n_stages: int) -> list[Edge]:
 
 
 def outputs_of(a: Action, n_stages: int) -> list[Edge]:
-    """The edges a compute action produces; see [Note: reduction rules]
-    A lowered schedule either reduces every stage's gradients or none (an
-    accumulation step, lowered with ``reduce_grad=False``). Where it does, each stage
-    has exactly one REDUCE_GRAD, on its own rank, after its last B or W (before that
-    its gradients are not final), and exactly one WAIT_REDUCE_GRAD after it in the
-    same step: a missing wait would leave a reduction in flight into the optimizer
-    step, a duplicate one or a second issue has no meaning.
-
-    [Note: the dataflow of a compute action]."""
+    """The edges a compute action produces; see [Note: the dataflow of a compute action]."""
     out = []
     for c in a.compute_parts():
         assert c.mb is not None
