@@ -12,17 +12,6 @@ from cadence.pipeline.runtime import build_pipeline
 from cadence.pipeline.schedule import placement_for
 from cadence.testing import max_abs_diff, run_subtests
 
-# (name, chunks): every schedule cadence generates, fused and split backwards alike.
-SCHEDULES = [
-    ("gpipe", 1),
-    ("1f1b", 1),
-    ("interleaved", 2),
-    ("looped_bfs", 2),
-    ("zb_h1", 1),
-    ("zb_h1", 2),
-    ("zbv", 2),
-    ("dualpipev", 2),
-]
 M = 4  # microbatches: DualPipeV needs m >= 2p
 
 

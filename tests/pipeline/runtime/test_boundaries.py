@@ -23,18 +23,7 @@ from cadence.pipeline.schedule import (
 )
 from cadence.testing import run_distributed
 from tests.pipeline.runtime.bodies_boundaries import M, body_world2
-
-SCHEDULES = [
-    ("gpipe", 1),
-    ("1f1b", 1),
-    ("interleaved", 2),
-    ("looped_bfs", 2),
-    ("zb_h1", 1),
-    ("zb_h1", 2),
-    ("zbv", 2),
-    ("dualpipev", 2),
-]
-
+from tests.pipeline.runtime.bodies_parity import SCHEDULES
 
 # The shared-communicator runs: every lowered schedule is safe there (the schedule
 # tests check all of them); these three cover plain, split and V-shaped orders.

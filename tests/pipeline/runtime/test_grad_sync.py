@@ -16,11 +16,11 @@ import pytest
 
 from cadence.testing import max_abs_diff, run_distributed
 from tests.pipeline.runtime.bodies_grad_sync import (
-    SCHEDULES,
     body_placement,
     body_pp2_dp2,
     body_pp2_hsdp,
 )
+from tests.pipeline.runtime.bodies_parity import SCHEDULES
 
 TOL = 1e-5
 WRAPPERS = ["fully_shard", "data_parallel"]
