@@ -17,10 +17,12 @@ not hide the next one's peak.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+from cadence.bench._record import paired_ratios, ratio_summary
 from cadence.errors import CadenceRuntimeError
 
-__all__ = ["MEMORY_ENV", "MemoryProbeError", "floor_page", "peak_growth"]
+__all__ = ["MEMORY_ENV", "MemoryProbeError", "floor_page", "memory_row", "peak_growth"]
 
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
@@ -66,3 +68,18 @@ def peak_growth(step: Callable[[], None], steps: int, device: str) -> int:
 def floor_page(nbytes: int) -> int:
     """At least one page: a tiny model may not grow at all, and ratios need a divisor."""
     return max(nbytes, 4096)
+
+
+def memory_row(
+    case: str, per: dict[str, list[int]], mine: str, *, gpu: bool, target: float | None
+) -> dict[str, Any]:
+    """One peak-memory row: ``per[variant]`` holds a figure per rank; ``mine`` is
+    compared with ``torch``, and ``torch`` with ``torch_b`` for the A/A."""
+    return {
+        "case": case,
+        "metric": "peak CUDA memory growth" if gpu else "peak RSS growth",
+        "ratio": ratio_summary(paired_ratios(per[mine], per["torch"])),
+        "aa": ratio_summary(paired_ratios(per["torch"], per["torch_b"])),
+        "target": target,
+        "abs_mib": {k: max(v) / 2**20 for k, v in per.items()},
+    }

@@ -29,7 +29,7 @@ from cadence.bench._loop import (
     rank_device,
     slowest_per_rep,
 )
-from cadence.bench._memory import MEMORY_ENV, floor_page, peak_growth
+from cadence.bench._memory import MEMORY_ENV, floor_page, memory_row, peak_growth
 from cadence.bench._record import make_record, paired_ratios, ratio_summary
 
 __all__ = ["CASES", "rank_body", "rss_body", "run"]
@@ -215,16 +215,7 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
     gpu = device_and_backend(world)[0] == "cuda"
     for name in cases:
         per = {k: [floor_page(r[name]) for r in v] for k, v in mem.items()}  # per rank
-        rows.append(
-            {
-                "case": name,
-                "metric": "peak CUDA memory growth" if gpu else "peak RSS growth",
-                "ratio": ratio_summary(paired_ratios(per["cadence"], per["torch"])),
-                "aa": ratio_summary(paired_ratios(per["torch"], per["torch_b"])),
-                "target": None,
-                "abs_mib": {k: max(v) / 2**20 for k, v in per.items()},
-            }
-        )
+        rows.append(memory_row(name, per, "cadence", gpu=gpu, target=None))
     return make_record(
         "dp",
         quick=quick,

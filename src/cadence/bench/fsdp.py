@@ -30,7 +30,7 @@ from cadence.bench._loop import (
     rank_device,
     slowest_per_rep,
 )
-from cadence.bench._memory import MEMORY_ENV, floor_page, peak_growth
+from cadence.bench._memory import MEMORY_ENV, floor_page, memory_row, peak_growth
 from cadence.bench._record import make_record, paired_ratios, ratio_summary
 
 __all__ = ["CONFIGS", "SHAPES", "rank_body", "rss_body", "run"]
@@ -195,16 +195,8 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
         shape, config = _case(key)
         per = {k: [floor_page(r[key]) for r in v] for k, v in mem.items()}  # per rank
         for name, suffix in (("cadence", ""), ("cadence_sync", ", max_inflight_reductions=0")):
-            rows.append(
-                {
-                    "case": f"{shape} {config}{suffix}",
-                    "metric": "peak CUDA memory growth" if gpu else "peak RSS growth",
-                    "ratio": ratio_summary(paired_ratios(per[name], per["torch"])),
-                    "aa": ratio_summary(paired_ratios(per["torch"], per["torch_b"])),
-                    "target": MEMORY_TARGET,
-                    "abs_mib": {k: max(v) / 2**20 for k, v in per.items()},
-                }
-            )
+            case = f"{shape} {config}{suffix}"
+            rows.append(memory_row(case, per, name, gpu=gpu, target=MEMORY_TARGET))
     return make_record(
         "fsdp",
         quick=quick,
