@@ -29,6 +29,7 @@ from cadence.pipeline.schedule import (
 from cadence.testing import max_abs_diff, named_grads, run_subtests
 from tests.pipeline.runtime.bodies_channel_modes import mode_case
 from tests.pipeline.runtime.bodies_groups import body_diverge
+from tests.pipeline.runtime.bodies_parity import per_channel, recv_timing
 
 
 def _model(n_stages: int) -> TinyGPT:
@@ -73,10 +74,11 @@ def behaviour(name: str, v: int) -> dict:
     planned = [a for a in rt.actions if a.kind in (ActionKind.SEND, ActionKind.RECV)]
     out["recorded_channels"] = sorted({e.group for e in p2p})
     out["plan_channels"] = [f"pp{a}->{b}" for a, b in rt.plan.edges]
-    out["op_channel_matches"] = len(planned) == len(p2p) and all(
-        e.group == f"pp{a.channel[0]}->{a.channel[1]}" and e.kind == a.kind.name.lower()
-        for a, e in zip(planned, p2p)
-    )
+    # per channel, the planned ops in the planned order (receives may be posted ahead)
+    out["op_channel_matches"] = per_channel(
+        (f"pp{a.channel[0]}->{a.channel[1]}", a.kind.name.lower(), a.mb) for a in planned
+    ) == per_channel((e.group, e.kind, None) for e in p2p)
+    out["recv_timing"] = recv_timing(rt.actions, log)
     locals_ = log.marks("pp_local")
     out["local_fwd"] = sum(1 for e in locals_ if not e.meta["grad"])
     out["local_bwd"] = sum(1 for e in locals_ if e.meta["grad"])

@@ -32,12 +32,17 @@ def _check(results: list[dict[str, dict]], p: int) -> dict[str, list[dict]]:
         for r in rows:
             if not r["op_channel_matches"]:
                 problems.append(f"{config}: a P2P op ran on a channel other than its plan's")
+            if r["recv_timing"]["late"]:
+                problems.append(f"{config}: a receive was posted after its place in the list")
             for key in ("grad_vs_ref", "loss_vs_ref", "grad_vs_torch", "loss_vs_torch"):
                 if key in r and not r[key] <= TOL:
                     problems.append(f"{config}: {key} = {r[key]:.3e}")
     assert not problems, "\n".join(problems)
     for config, rows in by_config.items():
         name, v, m, _source = ast.literal_eval(config.partition("=")[2])
+        # receive lookahead (default 1 on per-edge channels) posts some receives early
+        if m >= 2:
+            assert any(r["recv_timing"]["early"] for r in rows), (config, rows)
         # V schedules: the turn (stage p-1 -> p) is on the last rank and issues no P2P:
         # exactly m LOCAL hand-offs each way there, none elsewhere.
         if name in ("zbv", "dualpipev"):

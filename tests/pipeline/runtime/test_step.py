@@ -39,6 +39,8 @@ def test_step_accumulate_eval_and_channels(results, name: str) -> None:
         if "eval_logits_diff" in out:
             assert out["eval_logits_diff"] <= 1e-5 and out["eval_loss_diff"] <= 1e-6
         assert out["op_channel_matches"], (name, rank)
+        # receive lookahead (default on per-edge channels): some early, none late
+        assert out["recv_timing"]["late"] == 0 and out["recv_timing"]["early"] > 0, out
         assert set(out["recorded_channels"]) <= set(out["plan_channels"])
         if name == "interleaved":
             # looped placement at world 2: the wrap-around 1 -> 2 is channel (1 -> 0)

@@ -60,6 +60,7 @@ def build_pipeline(
     unshard_lookahead: int | None = None,
     tied_parameters: Sequence[Sequence[tuple[int, str]]] = (),
     batch_p2p: bool = False,
+    recv_lookahead: int | None = None,
 ) -> PipelineRuntime:
     """Build this rank's pipeline runtime. Collective over the world (channel groups).
 
@@ -92,6 +93,7 @@ def build_pipeline(
             DataParallel) ignore the actions.
         tied_parameters: parameters shared by several stages; see `PipelineRuntime`.
         batch_p2p: batch consecutive sends/receives; see `PipelineRuntime`.
+        recv_lookahead: receives posted ahead per channel; see `PipelineRuntime`.
     """
     pp_ranks = list(groups.pp_ranks) if groups is not None else list(range(dist.get_world_size()))
     pp = len(pp_ranks)
@@ -139,6 +141,7 @@ def build_pipeline(
         event_log=event_log,
         tied_parameters=tied_parameters,
         batch_p2p=batch_p2p,
+        recv_lookahead=recv_lookahead,
     )
 
 

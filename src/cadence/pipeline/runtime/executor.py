@@ -55,6 +55,7 @@ from cadence.pipeline.runtime.errors import (
 )
 from cadence.pipeline.runtime.grad_sync import StageGradSync
 from cadence.pipeline.runtime.groups import ChannelMode, build_channel_groups
+from cadence.pipeline.runtime.lookahead import check_lookahead, recv_plan
 from cadence.pipeline.runtime.metadata import agree_metadata
 from cadence.pipeline.runtime.microbatch import (
     LossPolicy,
@@ -111,6 +112,9 @@ class PipelineRuntime:
             The same on every rank; see [Note: tied parameters across stages].
         batch_p2p: post each run of consecutive SEND/RECV actions as one
             ``batch_isend_irecv`` per communicator; see [Note: batched P2P].
+        recv_lookahead: receives kept posted ahead of the list per channel (default:
+            1 with ``per_directed_edge`` channels and no ``batch_p2p``, else 0); see
+            [Note: receive lookahead] in ``lookahead.py``.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class PipelineRuntime:
         event_log: EventLog | None = None,
         tied_parameters: Sequence[TieSpec] = (),
         batch_p2p: bool = False,
+        recv_lookahead: int | None = None,
     ) -> None:
         if not isinstance(schedule, Schedule):
             raise PipelineUsageError(
@@ -134,6 +139,7 @@ class PipelineRuntime:
             )
         if channel_mode not in CHANNEL_MODES:
             raise PipelineUsageError(f"channel_mode={channel_mode!r}; use one of {CHANNEL_MODES}")
+        lookahead = check_lookahead(recv_lookahead, channel_mode, batch_p2p)
         pp_ranks = (
             tuple(groups.pp_ranks) if groups is not None else tuple(range(dist.get_world_size()))
         )
@@ -223,6 +229,12 @@ class PipelineRuntime:
             if self.batch_p2p
             else {}
         )
+        # See [Note: receive lookahead] in lookahead.py.
+        self.recv_lookahead = lookahead
+        self._recv_plans = {
+            id(acts): recv_plan(acts, lookahead, self._channel)
+            for acts in (self.actions, self._forward_actions)
+        }
 
     # -- validation -----------------------------------------------------------
 
@@ -321,8 +333,17 @@ class PipelineRuntime:
         for s in self._sync.values():
             s.begin_step(sync and backward)
         runs = self._p2p_runs.get(id(actions), {})
+        plan = self._recv_plans.get(id(actions))
+        posted: set[int] = set()
         for i, a in enumerate(actions):
             try:
+                if plan is not None:
+                    for j in plan.at_start if i == 0 else ():
+                        self._post_recv(actions, j, posted, st)
+                    if a.kind is K.RECV:
+                        for j in plan.on_reach[i]:
+                            self._post_recv(actions, j, posted, st)
+                        continue
                 run = runs.get(i)
                 if run is not None:  # batched P2P: posted with the run's first action
                     if run:
@@ -447,6 +468,13 @@ class PipelineRuntime:
         bufs = stage.grad_buffers() if grad else stage.input_buffers()
         works = [comm.irecv(b, peer) for b in bufs]
         st.recvs.setdefault((a.stage, a.mb, grad), []).append((bufs, works))  # type: ignore[arg-type]
+
+    def _post_recv(
+        self, actions: Sequence[Action], j: int, posted: set[int], st: _StepState
+    ) -> None:
+        if j not in posted:
+            posted.add(j)
+            self._recv(actions[j], j, st)
 
     def _post_batch(self, run: tuple[Action, ...], st: _StepState) -> None:
         # See [Note: batched P2P]: one batch per communicator, each in action order.

@@ -1,0 +1,84 @@
+"""Receives posted ahead of the schedule, on per-edge channels.
+
+[Note: receive lookahead]
+A RECV in a lowered list is posted where `order_comms` put it: after the computes
+that end before its message is due, i.e. shortly before its consumer. On gloo a
+send moves its bytes only once the matching receive is posted (the receiver
+announces its buffer), and NCCL pairs them the same way, so a receive posted late
+puts a handshake and the transfer on the consumer's critical path, every
+microbatch. With one communicator per directed rank pair nothing else shares the
+channel: on its receiving side it carries only this rank's RECVs, matched to the
+sender's SENDs first to first (the FIFO pairing `verify` proved). Posting a
+channel's receives earlier, in the same order, therefore cannot change which send
+meets which receive, and posting never blocks; waits stay at the consumers. So the
+runtime keeps the next ``K`` receives of each channel posted ahead of the list
+(``recv_lookahead=K``, default 1): the first ``K`` at the start of the step, and
+when the list reaches a RECV, those up to ``K`` past it. The cost is at most ``K``
+receive buffers per channel allocated early. Measured with every receive posted at
+the start of the step, at world 2 and 4 (`cadence bench pp`), step time against
+torch pipelining went from 0.85-0.98 to 0.70-0.93.
+
+Not under ``per_direction`` or ``shared`` communicators: there several channels
+share one communicator, whose operations run in posting order, and the one
+global message order of `order_comms` is what keeps them free of deadlock; a
+receive posted early would queue ahead of sends it must follow. Not with
+``batch_p2p`` either: a batch already posts a whole run of transfers together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from cadence.pipeline.runtime.errors import PipelineUsageError
+from cadence.pipeline.schedule import Action, ActionKind
+
+__all__ = ["RecvPlan", "check_lookahead", "recv_plan"]
+
+
+@dataclass(frozen=True)
+class RecvPlan:
+    """Which RECVs (by index in the action list) to post, and when."""
+
+    at_start: tuple[int, ...] = ()
+    # RECV index -> the RECVs to have posted once the list reaches it (itself first).
+    on_reach: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+def recv_plan(
+    actions: Sequence[Action], lookahead: int, channel: Callable[[Action], object]
+) -> RecvPlan | None:
+    """The `RecvPlan` of one action list, or None for ``lookahead == 0`` (post in place)."""
+    if lookahead == 0:
+        return None
+    by_channel: dict[object, list[int]] = {}
+    for i, a in enumerate(actions):
+        if a.kind is ActionKind.RECV:
+            by_channel.setdefault(channel(a), []).append(i)
+    at_start: list[int] = []
+    on_reach: dict[int, tuple[int, ...]] = {}
+    for indices in by_channel.values():
+        at_start.extend(indices[:lookahead])
+        for pos, i in enumerate(indices):
+            on_reach[i] = tuple(indices[pos : pos + lookahead + 1])
+    return RecvPlan(tuple(sorted(at_start)), on_reach)
+
+
+def check_lookahead(k: int | None, channel_mode: str, batch_p2p: bool) -> int:
+    """The lookahead to use: ``k``, or the default for the layout; misuse refused."""
+    if k is None:
+        return 1 if channel_mode == "per_directed_edge" and not batch_p2p else 0
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise PipelineUsageError(f"recv_lookahead={k!r}; use an int >= 0 (0 posts in place)")
+    if k and channel_mode != "per_directed_edge":
+        raise PipelineUsageError(
+            f"recv_lookahead={k} with channel_mode={channel_mode!r}: channels that share a "
+            "communicator must post in the schedule's one global message order; use "
+            "recv_lookahead=0, or channel_mode='per_directed_edge'"
+        )
+    if k and batch_p2p:
+        raise PipelineUsageError(
+            f"recv_lookahead={k} with batch_p2p=True: a batch posts its run of transfers "
+            "together; use one of the two"
+        )
+    return k
