@@ -14,9 +14,10 @@ meets which receive, and posting never blocks; waits stay at the consumers. So t
 runtime keeps the next ``K`` receives of each channel posted ahead of the list
 (``recv_lookahead=K``, default 1): the first ``K`` at the start of the step, and
 when the list reaches a RECV, those up to ``K`` past it. The cost is at most ``K``
-receive buffers per channel allocated early. Measured with every receive posted at
-the start of the step, at world 2 and 4 (`cadence bench pp`), step time against
-torch pipelining went from 0.85-0.98 to 0.70-0.93.
+receive buffers per channel allocated early. Measured (`cadence bench pp`, five
+schedules at world 2 and 4, step time against torch pipelining, medians on a quiet
+2-core machine): 0.90-1.03 posting in place, 0.78-0.95 with ``K = 1``; posting
+every receive at the start of the step gained no more within the noise.
 
 Not under ``per_direction`` or ``shared`` communicators: there several channels
 share one communicator, whose operations run in posting order, and the one
