@@ -30,7 +30,7 @@ import cloudpickle
 import dill
 
 from cadence import pickling
-from cadence.bench.pickler import CORPUS
+from cadence.bench.pickler import CORPUS, calls_for
 
 __all__ = ["CORPUS", "main"]
 
@@ -61,26 +61,13 @@ BUFFERS: dict[str, Callable[[int], Any]] = {
 }
 
 
-def _batch(fn: Callable[[], Any]) -> int:
-    # Enough iterations to take ~20 ms, so the timer's resolution does not matter.
-    fn()
-    n = 1
-    while True:
-        t0 = time.process_time()
-        for _ in range(n):
-            fn()
-        if time.process_time() - t0 > 0.02:
-            return n
-        n *= 2
-
-
 def _measure(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
     """Best per-call CPU time of each function, the libraries interleaved per round.
 
     CPU time (process_time) and interleaving both keep the other work on a shared
     machine from favouring whichever library happened to run in a quiet moment.
     """
-    sizes = {k: _batch(f) for k, f in fns.items()}
+    sizes = {k: calls_for(f, 0.02) for k, f in fns.items()}  # ~20 ms each
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeat):
         for k, f in fns.items():

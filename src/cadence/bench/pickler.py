@@ -22,7 +22,7 @@ from typing import Any
 from cadence.bench._loop import loadavg
 from cadence.bench._record import make_record, paired_ratios, ratio_summary
 
-__all__ = ["CORPUS", "run"]
+__all__ = ["CORPUS", "calls_for", "run"]
 
 TIME_TARGET = 0.80
 SIZE_TARGET = 1.00
@@ -93,7 +93,8 @@ CORPUS: dict[str, Callable[[], Any]] = {
 }
 
 
-def _calls_for(fn: Callable[[], Any], seconds: float) -> int:
+def calls_for(fn: Callable[[], Any], seconds: float) -> int:
+    """Calls of ``fn`` (doubling) that take over ``seconds`` of CPU: timer resolution stops mattering."""
     fn()
     n = 1
     while True:
@@ -124,7 +125,7 @@ def run(*, quick: bool, tiny: bool = False) -> dict[str, Any]:
     corpus = dict(list(CORPUS.items())[:1]) if tiny else CORPUS
     for case, build in corpus.items():
         obj = build()
-        n = _calls_for(functools.partial(cloudpickle.dumps, obj), budget)
+        n = calls_for(functools.partial(cloudpickle.dumps, obj), budget)
         names = list(libs)
         times: dict[str, list[float]] = {k: [] for k in names}
         for rep in range(reps):
