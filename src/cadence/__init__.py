@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Comm": "cadence.comm:Comm",
+    "CollectiveAlgorithms": "cadence.comm:CollectiveAlgorithms",
     "CommEvent": "cadence.comm:CommEvent",
     "CommWork": "cadence.comm:CommWork",
     "Coords": "cadence.topology:Coords",
@@ -54,7 +55,14 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from cadence._dist_init import init
     from cadence._timing import GradientTiming
     from cadence._torch_timing import gradient_timing
-    from cadence.comm import Comm, CommEvent, CommWork, EventLog, ReductionHandle
+    from cadence.comm import (
+        CollectiveAlgorithms,
+        Comm,
+        CommEvent,
+        CommWork,
+        EventLog,
+        ReductionHandle,
+    )
     from cadence.data_parallel import DataParallel, WindowState
     from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
     from cadence.pipeline import PipelineStage, Schedule, build_pipeline
@@ -62,6 +70,7 @@ if TYPE_CHECKING:  # static tools see the eager imports
 
 __all__ = [
     "CadenceError",
+    "CollectiveAlgorithms",
     "Comm",
     "CommEvent",
     "CommWork",

@@ -33,9 +33,23 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from cadence._exchange import (
+    CollectiveAlgorithms,
+    exchange_all_gather,
+    exchange_all_reduce,
+    exchange_reduce_scatter,
+)
 from cadence.errors import CadenceRuntimeError, CadenceValueError
 
-__all__ = ["Comm", "CommEvent", "CommWork", "EventLog", "ReduceOpName", "ReductionHandle"]
+__all__ = [
+    "CollectiveAlgorithms",
+    "Comm",
+    "CommEvent",
+    "CommWork",
+    "EventLog",
+    "ReduceOpName",
+    "ReductionHandle",
+]
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
 
@@ -326,6 +340,7 @@ class Comm:
         *,
         event_log: EventLog | None = None,
         name: str | None = None,
+        algorithms: CollectiveAlgorithms | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise CadenceRuntimeError(
@@ -340,6 +355,8 @@ class Comm:
         self.name = name or f"group{self.world_size}"
         # See [Note: AVG is SUM plus a divide].
         self.native_avg = self.backend == "nccl"
+        # See [Note: why cadence replaces some of gloo's collectives] in _exchange.py.
+        self.algorithms = algorithms if algorithms is not None else CollectiveAlgorithms()
 
     # -- helpers --------------------------------------------------------------
 
@@ -347,6 +364,9 @@ class Comm:
         if self.event_log is None:
             return None
         return self.event_log.record(kind, self.name, tensor, **meta)
+
+    def _exchanges(self, kind: str, tensor: torch.Tensor) -> bool:
+        return self.algorithms.uses_exchange(kind, self.backend, tensor, self.world_size)
 
     @staticmethod
     def _finish(work: CommWork, async_op: bool) -> CommWork:
@@ -372,9 +392,13 @@ class Comm:
     def all_reduce(
         self, tensor: torch.Tensor, *, op: ReduceOpName = "sum", async_op: bool = False
     ) -> CommWork:
-        event = self._event("all_reduce", tensor, op=op)
         torch_op, after = self._op(op, tensor)
-        work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=True)
+        if torch_op == dist.ReduceOp.SUM and self._exchanges("all_reduce", tensor):
+            event = self._event("all_reduce", tensor, op=op, algorithm="exchange")
+            work = exchange_all_reduce(self.group, tensor, self.rank, self.world_size)
+        else:
+            event = self._event("all_reduce", tensor, op=op)
+            work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=True)
         return self._finish(CommWork(work, event=event, after=after, tensors=(tensor,)), async_op)
 
     def all_gather_single(
@@ -385,8 +409,12 @@ class Comm:
                 f"all_gather_single: output has {output.numel()} elements, expected "
                 f"{input.numel()} x world {self.world_size}"
             )
-        event = self._event("all_gather", output)
-        work = _all_gather_single(output, input, group=self.group, async_op=True)
+        if self._exchanges("all_gather", output) and output.is_contiguous():
+            event = self._event("all_gather", output, algorithm="exchange")
+            work = exchange_all_gather(self.group, output, input, self.rank, self.world_size)
+        else:
+            event = self._event("all_gather", output)
+            work = _all_gather_single(output, input, group=self.group, async_op=True)
         return self._finish(CommWork(work, event=event, tensors=(output, input)), async_op)
 
     def reduce_scatter_single(
@@ -402,9 +430,20 @@ class Comm:
                 f"reduce_scatter_single: input has {input.numel()} elements, expected "
                 f"{output.numel()} x world {self.world_size}"
             )
-        event = self._event("reduce_scatter", input, op=op)
         torch_op, after = self._op(op, output)
-        work = _reduce_scatter_single(output, input, op=torch_op, group=self.group, async_op=True)
+        if (
+            torch_op == dist.ReduceOp.SUM
+            and self._exchanges("reduce_scatter", input)
+            and input.is_contiguous()
+            and output.is_contiguous()
+        ):
+            event = self._event("reduce_scatter", input, op=op, algorithm="exchange")
+            work = exchange_reduce_scatter(self.group, output, input, self.rank, self.world_size)
+        else:
+            event = self._event("reduce_scatter", input, op=op)
+            work = _reduce_scatter_single(
+                output, input, op=torch_op, group=self.group, async_op=True
+            )
         return self._finish(
             CommWork(work, event=event, after=after, tensors=(output, input)), async_op
         )

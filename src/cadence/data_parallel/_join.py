@@ -300,7 +300,12 @@ class JoinableDataParallel(Joinable):
     def _init_join(self, *, ignored: frozenset[str]) -> None:
         """Called by DataParallel.__init__ (which stands in for Joinable's abstract one)."""
         Joinable.__init__(self)  # type: ignore[misc]  # sets _join_config (disabled)
-        self._join_comm = Comm(self.process_group, event_log=self.event_log, name="dp.join")
+        self._join_comm = Comm(
+            self.process_group,
+            event_log=self.event_log,
+            name="dp.join",
+            algorithms=self._comm.algorithms,
+        )
         self._join_divide_by_initial_world_size = True
         self._join_works: list[CommWork] = []
         self._ignored = ignored

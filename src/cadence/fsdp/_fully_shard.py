@@ -15,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
 from cadence._timing import check_split_part, refuse_inside_backward
-from cadence.comm import EventLog, ReductionHandle
+from cadence.comm import CollectiveAlgorithms, EventLog, ReductionHandle
 from cadence.errors import CadenceTypeError, CadenceValueError
 from cadence.fsdp._api import (
     FullyShardError,
@@ -260,6 +260,30 @@ class FullyShardedModule(nn.Module):
         if n < 0:
             raise CadenceValueError(f"max in-flight reductions must be >= 0, got {n}")
         self._runtime.max_inflight_reductions = n
+
+    def set_collective_algorithms(self, algorithms: CollectiveAlgorithms) -> None:
+        """How every unit under this root runs its all-gathers and reduce-scatters on gloo.
+
+        The default exchanges point to point where gloo's own collective is slow (see
+        [Note: why cadence replaces some of gloo's collectives] in ``cadence/_exchange.py``);
+        ``CollectiveAlgorithms.native()`` calls gloo's collectives as FSDP2 does. NCCL
+        always runs its own. Call it on every rank, between steps.
+        """
+        if not isinstance(algorithms, CollectiveAlgorithms):
+            raise CadenceTypeError(
+                "set_collective_algorithms takes a cadence.CollectiveAlgorithms, got "
+                f"{type(algorithms).__name__}"
+            )
+        refuse_inside_backward(
+            "set_collective_algorithms()",
+            "every rank must switch between the same two collectives.",
+            FullyShardError,
+        )
+        for unit in self._runtime.units:
+            unit.collective_algorithms = algorithms
+            for comm in (unit.comm, unit.replicate_comm):
+                if comm is not None:
+                    comm.algorithms = algorithms
 
     # -- unshard / reshard (this module's unit only, as FSDP2) --------------------
 

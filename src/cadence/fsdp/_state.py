@@ -83,10 +83,16 @@ class Runtime:
         self.root = root
         self.units = units  # registration (bottom-up) order
         for unit in units:
-            unit.comm = Comm(unit.shard_group, event_log=event_log, name="dp_shard")
+            algorithms = unit.collective_algorithms
+            unit.comm = Comm(
+                unit.shard_group, event_log=event_log, name="dp_shard", algorithms=algorithms
+            )
             if unit.replicate_group is not None:
                 unit.replicate_comm = Comm(
-                    unit.replicate_group, event_log=event_log, name="dp_replicate"
+                    unit.replicate_group,
+                    event_log=event_log,
+                    name="dp_replicate",
+                    algorithms=algorithms,
                 )
         # -- flags --
         self.manual_finalization = False

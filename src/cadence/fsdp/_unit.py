@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from cadence.comm import Comm, CommWork, EventLog
+from cadence.comm import CollectiveAlgorithms, Comm, CommWork, EventLog
 from cadence.errors import CadenceValueError
 from cadence.fsdp._api import MixedPrecisionPolicy
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
@@ -112,6 +112,9 @@ class Unit:
         self.event_log: EventLog | None = None
         self.comm: Comm | None = None
         self.replicate_comm: Comm | None = None
+        # Kept on the unit so a root's fully_shard (which rebuilds the runtime and its
+        # Comms) keeps what a setter chose earlier; None: CollectiveAlgorithms().
+        self.collective_algorithms: CollectiveAlgorithms | None = None
         self.streams = StreamSet(self.device)  # see [Note: streams and events]
         # -- sharded storage --
         self.shard_numel = make_layout(params, self.world, self.rank)

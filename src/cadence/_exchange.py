@@ -1,0 +1,190 @@
+"""Collectives built from pairwise point-to-point exchanges, for gloo.
+
+[Note: why cadence replaces some of gloo's collectives]
+On CPU, gloo's ``reduce_scatter`` costs about as much as an ``all_reduce`` of the
+whole input (it reduces every element, not only the caller's shard), and its
+``all_gather`` copies through staging buffers. Both are on fully_shard's critical
+path. Measured with ``bench/gloo_collectives.py`` (world 2 and 4, one thread per
+rank, 1-16 MiB): an exchange in which every rank sends each peer the peer's chunk
+and sums what it receives takes about half of gloo's reduce-scatter time and CPU;
+an exchange all-gather about 0.65-0.85 of gloo's. An all-reduce by exchange wins
+only at world 2 and small buffers, so it is opt-in.
+
+The exchange is the same arithmetic, in a fixed order: a reduce-scatter's shard is
+summed in rank order, ``((x_0 + x_1) + x_2) + ...``, on the one rank that owns it,
+so every run is deterministic; at world 2 this is bit-for-bit gloo's result
+(floating-point addition of two values commutes). Works are posted with a private
+tag so they never match a user's ``send``/``recv`` on the same group, and all ranks
+post them in program order, as collectives require anyway: gloo matches
+point-to-point messages first-in first-out per peer and tag.
+
+Only CPU tensors on a gloo group take this path; NCCL's collectives are already
+the right algorithm and are never replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from cadence.errors import CadenceValueError
+
+__all__ = ["CollectiveAlgorithms", "ExchangeWork", "exchange_all_gather", "exchange_reduce_scatter"]
+
+Algorithm = Literal["auto", "native", "exchange"]
+_CHOICES = ("auto", "native", "exchange")
+
+# gloo's send/recv slot for cadence's exchanges ("cdnc"); users' point-to-point ops use
+# other tags (0 by default), so the two never match each other.
+EXCHANGE_TAG = 0x63646E63
+
+
+@dataclass(frozen=True)
+class CollectiveAlgorithms:
+    """How `cadence.Comm` runs each collective on a gloo group (NCCL is always native).
+
+    ``"auto"`` (default) picks what measured fastest on CPU: exchange for
+    reduce-scatter and all-gather, gloo's own all-reduce. ``"native"`` always calls
+    gloo's collective; ``"exchange"`` always uses pairwise exchanges. See
+    [Note: why cadence replaces some of gloo's collectives] in ``cadence/_exchange.py``.
+    """
+
+    reduce_scatter: Algorithm = "auto"
+    all_gather: Algorithm = "auto"
+    all_reduce: Algorithm = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("reduce_scatter", "all_gather", "all_reduce"):
+            value = getattr(self, name)
+            if value not in _CHOICES:
+                raise CadenceValueError(
+                    f"CollectiveAlgorithms.{name}={value!r}; use one of {', '.join(_CHOICES)}"
+                )
+
+    @classmethod
+    def native(cls) -> CollectiveAlgorithms:
+        """gloo's own collectives everywhere (what torch's DDP and FSDP2 use)."""
+        return cls("native", "native", "native")
+
+    def uses_exchange(self, kind: str, backend: str, tensor: torch.Tensor, world: int) -> bool:
+        """Whether collective ``kind`` on ``tensor`` goes through an exchange."""
+        if world < 2 or backend != "gloo" or tensor.device.type != "cpu":
+            return False
+        choice = getattr(self, kind)
+        if choice == "auto":
+            return kind != "all_reduce"
+        return choice == "exchange"
+
+
+class ExchangeWork:
+    """Point-to-point works standing for one collective; ``finish`` runs once after them."""
+
+    __slots__ = ("_finish", "_works")
+
+    def __init__(self, works: Sequence[Any], finish: Callable[[], None] | None = None) -> None:
+        self._works = list(works)
+        self._finish = finish
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+def _post(
+    pg: dist.ProcessGroup,
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+) -> list[Any]:
+    # ProcessGroup.send/recv take group ranks; calling them directly skips the Python
+    # wrappers of dist.isend/irecv, which cost more than the exchange saves on tiny tensors.
+    works = [pg.send([t], peer, EXCHANGE_TAG) for t, peer in sends]
+    works += [pg.recv([t], peer, EXCHANGE_TAG) for t, peer in recvs]
+    return works
+
+
+def exchange_all_gather(
+    pg: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, rank: int, world: int
+) -> ExchangeWork:
+    """``output = cat(input of every rank)``: send ours to every peer, receive theirs in place."""
+    chunks = output.view(world, -1)
+    flat = input.reshape(-1)
+    peers = [p for p in range(world) if p != rank]
+    works = _post(pg, [(flat, p) for p in peers], [(chunks[p], p) for p in peers])
+    chunks[rank].copy_(flat)
+    return ExchangeWork(works)
+
+
+def exchange_reduce_scatter(
+    pg: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, rank: int, world: int
+) -> ExchangeWork:
+    """``output = sum over ranks of their input chunk ``rank```` (SUM; AVG divides after)."""
+    chunks = input.reshape(world, -1)
+    peers = [p for p in range(world) if p != rank]
+    received = torch.empty((world - 1, chunks.shape[1]), dtype=input.dtype, device=input.device)
+    works = _post(
+        pg, [(chunks[p], p) for p in peers], [(received[i], p) for i, p in enumerate(peers)]
+    )
+    flat_out = output.view(-1)
+    own = chunks[rank]
+    # Summing into ``output`` overwrites it before later parts are read: when it is our
+    # own chunk of ``input`` (an in-place reduce-scatter) and not among the first two
+    # addends, read that chunk from a copy.
+    aliased = world > 2 and rank >= 2 and _overlaps(output, own)
+
+    def finish() -> None:
+        # Rank order, so the sum is the same whichever rank computes it.
+        parts = [received[i] for i, p in enumerate(peers) if p < rank]
+        parts.append(own.clone() if aliased else own)
+        parts += [received[i] for i, p in enumerate(peers) if p > rank]
+        torch.add(parts[0], parts[1], out=flat_out)
+        for part in parts[2:]:
+            flat_out.add_(part)
+
+    return ExchangeWork(works, finish)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    size = a.element_size()
+    a0, b0 = a.storage_offset() * size, b.storage_offset() * size
+    return a0 < b0 + b.numel() * size and b0 < a0 + a.numel() * size
+
+
+def exchange_all_reduce(
+    pg: dist.ProcessGroup, tensor: torch.Tensor, rank: int, world: int
+) -> ExchangeWork:
+    """Every rank sends its whole tensor to every peer and sums all of them in rank order.
+
+    Moves (world - 1) x the tensor per rank (a ring moves 2 (world - 1) / world x), so it
+    pays only at world 2, where both move the same bytes and the exchange saves gloo's
+    synchronisation rounds.
+    """
+    flat = tensor.view(-1)
+    peers = [p for p in range(world) if p != rank]
+    received = torch.empty((world - 1, flat.numel()), dtype=tensor.dtype, device=tensor.device)
+    # The sum overwrites ``tensor`` before our own addend is read unless that addend is
+    # one of the first two (always at world 2, and for ranks 0 and 1).
+    mine = flat.clone() if rank >= 2 else flat
+    works = _post(pg, [(mine, p) for p in peers], [(received[i], p) for i, p in enumerate(peers)])
+
+    def finish() -> None:
+        parts = [received[i] for i, p in enumerate(peers) if p < rank]
+        parts.append(mine)
+        parts += [received[i] for i, p in enumerate(peers) if p > rank]
+        torch.add(parts[0], parts[1], out=flat)
+        for part in parts[2:]:
+            flat.add_(part)
+
+    return ExchangeWork(works, finish)
