@@ -31,9 +31,16 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from cadence.errors import CadenceValueError
+from cadence.errors import CadenceTypeError, CadenceValueError
 
-__all__ = ["CollectiveAlgorithms", "ExchangeWork", "exchange_all_gather", "exchange_reduce_scatter"]
+__all__ = [
+    "CollectiveAlgorithms",
+    "ExchangeWork",
+    "check_algorithms",
+    "exchange_all_gather",
+    "exchange_all_reduce",
+    "exchange_reduce_scatter",
+]
 
 Algorithm = Literal["auto", "native", "exchange"]
 _CHOICES = ("auto", "native", "exchange")
@@ -78,6 +85,16 @@ class CollectiveAlgorithms:
         if choice == "auto":
             return kind != "all_reduce"
         return choice == "exchange"
+
+
+def check_algorithms(value: object, who: str) -> CollectiveAlgorithms:
+    """The wrappers' setters take only a `CollectiveAlgorithms` (a string is a typo away)."""
+    if not isinstance(value, CollectiveAlgorithms):
+        raise CadenceTypeError(
+            f"{who}.set_collective_algorithms takes a cadence.CollectiveAlgorithms, got "
+            f"{type(value).__name__}; e.g. CollectiveAlgorithms.native()"
+        )
+    return value
 
 
 class ExchangeWork:

@@ -64,6 +64,21 @@ def test_dp_record_chart_and_docs(tmp_path: Path) -> None:
     assert "![cadence bench dp](dp-full.png)" in page
 
 
+def test_collectives_record(tmp_path: Path) -> None:
+    record, path, _ = run_bench("collectives", tiny=True, out_dir=tmp_path)
+    _check_record(record, path, "collectives")
+    assert [r["case"] for r in record["rows"]] == [
+        "reduce_scatter 0.01 MiB, world 2",
+        "all_gather 0.01 MiB, world 2",
+        "all_reduce 0.01 MiB, world 2",
+    ]
+    for row in record["rows"]:
+        assert set(row["abs_ms"]) == {"exchange", "native", "native_b"}
+        assert row["target"] is None and row["ratio"]["n"] == 2
+    page = render({"collectives": dict(record, _path=str(path))})
+    assert "ratio = exchange / gloo's own" in page
+
+
 def test_pickle_record(tmp_path: Path) -> None:
     record, path, _ = run_bench("pickle", tiny=True, out_dir=tmp_path)
     _check_record(record, path, "pickle")

@@ -3,6 +3,8 @@
 - ``dp``: DataParallel vs DDP (`cadence.bench.dp`);
 - ``fsdp``: fully_shard vs FSDP2, step time and peak RSS growth (`cadence.bench.fsdp`);
 - ``pp``: pipeline runtime vs torch pipelining, five schedules (`cadence.bench.pp`);
+- ``collectives``: cadence's exchange collectives vs gloo's own
+  (`cadence.bench.collectives`);
 - ``pickle``: cadence.pickling vs cloudpickle (`cadence.bench.pickler`);
 - ``precompile``: time to the first step on 2 ranks, ``torch.compile`` on every rank
   vs `cadence.precompile` (compile once, broadcast) vs its cache

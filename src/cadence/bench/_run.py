@@ -11,8 +11,15 @@ from cadence.errors import CadenceValueError
 
 __all__ = ["KINDS", "format_rows", "run_bench"]
 
-KINDS = ("dp", "fsdp", "pp", "pickle", "precompile")
-_MODULES = {"dp": "dp", "fsdp": "fsdp", "pp": "pp", "pickle": "pickler", "precompile": "precompile"}
+KINDS = ("dp", "fsdp", "pp", "collectives", "pickle", "precompile")
+_MODULES = {
+    "dp": "dp",
+    "fsdp": "fsdp",
+    "pp": "pp",
+    "collectives": "collectives",
+    "pickle": "pickler",
+    "precompile": "precompile",
+}
 
 
 def _fmt(summary: dict[str, float] | None) -> str:

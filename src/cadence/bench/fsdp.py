@@ -7,7 +7,8 @@ in forward and in backward, on both sides) on/off x ``reshard_after_forward`` of
 the blocks on/off (the root keeps each library's default).
 
 Step time: cadence, cadence with ``set_max_inflight_reductions(0)`` (each
-reduce-scatter waited at once: no overlap, FSDP2's memory), FSDP2 and a second
+reduce-scatter waited at once: no overlap, FSDP2's memory), cadence with gloo's own
+collectives (``CollectiveAlgorithms.native()``, what FSDP2 calls), FSDP2 and a second
 FSDP2 (A/A) in the same ranks, interleaved (see [Note: interleaving] in
 ``_loop.py``); target <= 0.70.
 
@@ -47,8 +48,15 @@ TINY = {"tiny": {"layers": 2, "dim": 16, "batch": 4}}
 CONFIGS = [(False, True), (True, True), (False, False), (True, False)]
 # (variant, implementation): cadence as configured by default (one reduce-scatter in
 # flight), cadence waiting each reduce-scatter at once, FSDP2, FSDP2 again (A/A).
-VARIANTS = [("cadence", "cadence"), ("cadence_sync", "cadence_sync"), ("torch", "torch"),
+VARIANTS = [("cadence", "cadence"), ("cadence_sync", "cadence_sync"),
+            ("cadence_native", "cadence_native"), ("torch", "torch"),
             ("torch_b", "torch")]  # fmt: skip
+# Rows per cadence variant: what its suffix says it changes from the default.
+CADENCE_ROWS = (
+    ("cadence", ""),
+    ("cadence_sync", ", max_inflight_reductions=0"),
+    ("cadence_native", ", gloo's own collectives"),
+)
 
 
 def _net(layers: int, dim: int) -> Any:
@@ -65,7 +73,7 @@ def _shard(impl: str, net: Any, prefetch: bool, reshard: bool, device: str) -> A
     import torch.distributed as dist
 
     blocks = list(net)[:-1]
-    if impl in ("cadence", "cadence_sync"):
+    if impl.startswith("cadence"):
         from cadence.fsdp import fully_shard
 
         for b in blocks:
@@ -74,6 +82,12 @@ def _shard(impl: str, net: Any, prefetch: bool, reshard: bool, device: str) -> A
         # cadence_sync: each reduce-scatter waited at once, FSDP2-on-CPU's memory
         # profile (see [Note: bounded in-flight reductions] in cadence.fsdp._state).
         root.set_max_inflight_reductions(0 if impl == "cadence_sync" else 1)
+        if impl == "cadence_native":
+            # What fully_shard's own design gives, without the exchange collectives
+            # (see [Note: why cadence replaces some of gloo's collectives]).
+            from cadence.comm import CollectiveAlgorithms
+
+            root.set_collective_algorithms(CollectiveAlgorithms.native())
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -170,7 +184,7 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
         results = [r[key] for r in per_rank]
         step = {k: slowest_per_rep(results, k) for k, _ in VARIANTS}
         s = shapes[shape]
-        for name, suffix in (("cadence", ""), ("cadence_sync", ", max_inflight_reductions=0")):
+        for name, suffix in CADENCE_ROWS:
             rows.append(
                 {
                     "case": f"{shape} {config}{suffix}",
@@ -194,7 +208,7 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
     for key in mem["cadence"][0]:
         shape, config = _case(key)
         per = {k: [floor_page(r[key]) for r in v] for k, v in mem.items()}  # per rank
-        for name, suffix in (("cadence", ""), ("cadence_sync", ", max_inflight_reductions=0")):
+        for name, suffix in CADENCE_ROWS:
             case = f"{shape} {config}{suffix}"
             rows.append(memory_row(case, per, name, gpu=gpu, target=MEMORY_TARGET))
     return make_record(

@@ -21,12 +21,20 @@ _TITLES = {
     "dp": "DataParallel vs torch DDP",
     "fsdp": "fully_shard vs torch FSDP2",
     "pp": "pipeline runtime vs torch pipelining",
+    "collectives": "cadence's exchange collectives vs gloo's own",
     "pickle": "cadence.pickling vs cloudpickle",
     "precompile": "precompile vs torch.compile on every rank: time to the first step",
 }
 
 # What a kind's ratio does and does not mean, printed above its table.
 _NOTES = {
+    "collectives": (
+        "One collective per step through `cadence.Comm`: ratio = exchange / gloo's own,\n"
+        "A/A = gloo's own / gloo's own again. Sizes are the full tensor. fully_shard's\n"
+        'default (`CollectiveAlgorithms()`, `"auto"`) exchanges for reduce-scatter and\n'
+        "all-gather; all-reduce stays gloo's own (opt-in exchange), see\n"
+        "[bench_profile.md](bench_profile.md). NCCL is never replaced.\n"
+    ),
     "precompile": (
         "Fresh rank processes with an empty inductor cache each (cold nodes), per\n"
         "repetition: `jit` (every rank compiles its step with `torch.compile`),\n"
@@ -69,6 +77,7 @@ Reproduce (from the repository root):
 cadence bench dp          # DataParallel vs DDP, three shapes
 cadence bench fsdp        # fully_shard vs FSDP2, prefetch x reshard_after_forward, RSS
 cadence bench pp          # five schedules, world 2 and 4
+cadence bench collectives # exchange vs gloo's reduce-scatter, all-gather, all-reduce
 cadence bench pickle      # pickler vs cloudpickle
 cadence bench precompile  # time to the first step on 2 ranks: jit, precompile, cache
 cadence bench report      # regenerate this page

@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
+from cadence._exchange import check_algorithms
 from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
@@ -315,32 +316,19 @@ class DataParallel(nn.Module, JoinableDataParallel):
         self._reducer.manual = bool(enabled)
 
     def set_collective_algorithms(self, algorithms: CollectiveAlgorithms) -> None:
-        """How the bucket all-reduces run on gloo (default: gloo's own, as DDP).
-
-        ``CollectiveAlgorithms(all_reduce="exchange")`` sums by point-to-point exchange
-        instead; it moves more bytes above world 2 and measured slower inside a training
-        step (docs/bench_profile.md), so it is opt-in. NCCL always runs its own. Call it
-        on every rank, between steps.
+        """How bucket all-reduces run on gloo (default: gloo's own, as DDP; NCCL always
+        its own). Exchange is opt-in: above world 2 it moves more bytes, and it measured
+        slower inside a step (docs/bench_profile.md). Call on every rank, between steps.
         """
-        if not isinstance(algorithms, CollectiveAlgorithms):
-            raise CadenceValueError(
-                "set_collective_algorithms takes a cadence.CollectiveAlgorithms, got "
-                f"{type(algorithms).__name__}"
-            )
-        refuse_inside_backward(
-            "set_collective_algorithms()",
-            "every rank must switch between the same two collectives.",
-            DataParallelError,
-        )
+        check_algorithms(algorithms, "DataParallel")
+        why = "every rank must switch between the same two collectives."
+        refuse_inside_backward("set_collective_algorithms()", why, DataParallelError)
         if self._reducer.pending:
             raise DataParallelError(
                 "set_collective_algorithms() while reductions are pending; call "
                 "finalize_backward() first."
             )
-        self._comm.algorithms = algorithms
-        join_comm = getattr(self, "_join_comm", None)
-        if join_comm is not None:
-            join_comm.algorithms = algorithms
+        self._comm.algorithms = self._join_comm.algorithms = algorithms
 
     @property
     def should_finalize_after_backward(self) -> bool:

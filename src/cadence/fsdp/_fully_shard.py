@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
+from cadence._exchange import check_algorithms
 from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, EventLog, ReductionHandle
 from cadence.errors import CadenceTypeError, CadenceValueError
@@ -269,11 +270,7 @@ class FullyShardedModule(nn.Module):
         ``CollectiveAlgorithms.native()`` calls gloo's collectives as FSDP2 does. NCCL
         always runs its own. Call it on every rank, between steps.
         """
-        if not isinstance(algorithms, CollectiveAlgorithms):
-            raise CadenceTypeError(
-                "set_collective_algorithms takes a cadence.CollectiveAlgorithms, got "
-                f"{type(algorithms).__name__}"
-            )
+        check_algorithms(algorithms, "fully_shard")
         refuse_inside_backward(
             "set_collective_algorithms()",
             "every rank must switch between the same two collectives.",
