@@ -18,12 +18,19 @@ tag so they never match a user's ``send``/``recv`` on the same group, and all ra
 post them in program order, as collectives require anyway: gloo matches
 point-to-point messages first-in first-out per peer and tag.
 
+Completion: gloo's point-to-point works say they are complete only once waited,
+and a reduce-scatter's sum needs a thread, so each group has a `_Finisher` thread that
+waits its exchanges in issue order and sums them, as gloo's worker threads do for its
+own collectives: ``is_completed()`` turns True by itself, with the result in place.
+
 Only CPU tensors on a gloo group take this path; NCCL's collectives are already
 the right algorithm and are never replaced.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -97,25 +104,110 @@ def check_algorithms(value: object, who: str) -> CollectiveAlgorithms:
     return value
 
 
+class ScratchPool:
+    """Receive buffers kept between exchanges of the same shape.
+
+    A data-parallel step all-reduces the same buckets every step; a fresh multi-MiB
+    receive buffer per collective costs the allocator's page faults each time, which
+    is CPU on the same cores the exchange was meant to save.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        free = self._free.get((shape, dtype, device))
+        return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        self._free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+
+
+class _Finisher:
+    """A daemon thread that waits a group's exchanges in issue order and runs their sums.
+
+    gloo's point-to-point works report completion only once waited, and a sum needs
+    a thread: this one stands where gloo's worker threads stand for its own
+    collectives, so ``is_completed()`` turns True by itself and the sums run beside
+    the caller's compute (``Work.wait`` and the torch ops release the GIL). One per
+    process group, as gloo has: all ranks issue a group's exchanges in the same order,
+    so FIFO never waits on a later exchange of the same group, and groups never wait
+    on each other.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[ExchangeWork] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: ExchangeWork) -> None:
+        self._queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get()._complete()
+
+
+_FINISHERS: dict[int, _Finisher] = {}
+_FINISHERS_LOCK = threading.Lock()
+
+
+def _finisher(pg: dist.ProcessGroup) -> _Finisher:
+    # Keyed by the group object's id: a group created later at a reused address gets
+    # the same thread, which holds no state of the old group between works.
+    with _FINISHERS_LOCK:
+        fin = _FINISHERS.get(id(pg))
+        if fin is None:
+            fin = _FINISHERS[id(pg)] = _Finisher(f"cadence-exchange-{len(_FINISHERS)}")
+        return fin
+
+
 class ExchangeWork:
-    """Point-to-point works standing for one collective; ``finish`` runs once after them."""
+    """Point-to-point works standing for one collective; ``finish`` runs once after them.
 
-    __slots__ = ("_finish", "_works")
+    Completed by the group's `_Finisher` thread; an error there (a timeout, a failed
+    sum) is re-raised by ``wait()``.
+    """
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], None] | None = None) -> None:
+    __slots__ = ("_done", "_error", "_finish", "_works")
+
+    def __init__(
+        self,
+        works: Sequence[Any],
+        finish: Callable[[], None] | None = None,
+        pg: dist.ProcessGroup | None = None,
+    ) -> None:
         self._works = list(works)
         self._finish = finish
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        if pg is None:
+            self._complete()
+        else:
+            _finisher(pg).submit(self)
+
+    def _complete(self) -> None:
+        try:
+            for work in self._works:
+                work.wait()
+            if self._finish is not None:
+                self._finish()
+        except BaseException as e:  # re-raised on the caller's thread by wait()
+            self._error = e
+        finally:
+            self._works = []
+            self._finish = None
+            self._done.set()
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return self._done.is_set()
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
-        self._works = []
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
 
 
 def _post(
@@ -139,7 +231,7 @@ def exchange_all_gather(
     peers = [p for p in range(world) if p != rank]
     works = _post(pg, [(flat, p) for p in peers], [(chunks[p], p) for p in peers])
     chunks[rank].copy_(flat)
-    return ExchangeWork(works)
+    return ExchangeWork(works, pg=pg)
 
 
 def exchange_reduce_scatter(
@@ -168,7 +260,7 @@ def exchange_reduce_scatter(
         for part in parts[2:]:
             flat_out.add_(part)
 
-    return ExchangeWork(works, finish)
+    return ExchangeWork(works, finish, pg)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -180,7 +272,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def exchange_all_reduce(
-    pg: dist.ProcessGroup, tensor: torch.Tensor, rank: int, world: int
+    pg: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    rank: int,
+    world: int,
+    pool: ScratchPool | None = None,
 ) -> ExchangeWork:
     """Every rank sends its whole tensor to every peer and sums all of them in rank order.
 
@@ -190,7 +286,12 @@ def exchange_all_reduce(
     """
     flat = tensor.view(-1)
     peers = [p for p in range(world) if p != rank]
-    received = torch.empty((world - 1, flat.numel()), dtype=tensor.dtype, device=tensor.device)
+    shape = (world - 1, flat.numel())
+    received = (
+        pool.take(shape, tensor.dtype, tensor.device)
+        if pool is not None
+        else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    )
     # The sum overwrites ``tensor`` before our own addend is read unless that addend is
     # one of the first two (always at world 2, and for ranks 0 and 1).
     mine = flat.clone() if rank >= 2 else flat
@@ -203,5 +304,7 @@ def exchange_all_reduce(
         torch.add(parts[0], parts[1], out=flat)
         for part in parts[2:]:
             flat.add_(part)
+        if pool is not None:
+            pool.give(received)
 
-    return ExchangeWork(works, finish)
+    return ExchangeWork(works, finish, pg)

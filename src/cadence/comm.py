@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from cadence._exchange import (
     CollectiveAlgorithms,
+    ScratchPool,
     exchange_all_gather,
     exchange_all_reduce,
     exchange_reduce_scatter,
@@ -357,6 +358,7 @@ class Comm:
         self.native_avg = self.backend == "nccl"
         # See [Note: why cadence replaces some of gloo's collectives] in _exchange.py.
         self.algorithms = algorithms if algorithms is not None else CollectiveAlgorithms()
+        self._scratch = ScratchPool()  # all-reduce exchanges only: same buckets every step
 
     # -- helpers --------------------------------------------------------------
 
@@ -395,7 +397,9 @@ class Comm:
         torch_op, after = self._op(op, tensor)
         if torch_op == dist.ReduceOp.SUM and self._exchanges("all_reduce", tensor):
             event = self._event("all_reduce", tensor, op=op, algorithm="exchange")
-            work = exchange_all_reduce(self.group, tensor, self.rank, self.world_size)
+            work = exchange_all_reduce(
+                self.group, tensor, self.rank, self.world_size, self._scratch
+            )
         else:
             event = self._event("all_reduce", tensor, op=op)
             work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -85,18 +86,25 @@ def interleaved() -> dict[str, Any]:
     u_send = dist.isend(user, peer)
     u_recv = dist.irecv(got, (rank - 1) % world)
     w3 = comm.all_gather_single(gathered[1], shard + 10, async_op=True)
-    done_early = w3.is_completed() in (True, False)  # never blocks
     for w in (w3, w2, w1):
         w.wait()
     u_send.wait()
     u_recv.wait()
     want_rs = sum(torch.arange(4.0 * world).view(world, 4)[rank] + r for r in range(world))
+    # Completion is reported without anyone calling wait(), with the sum already in place.
+    polled = torch.empty(4)
+    w4 = comm.reduce_scatter_single(polled, torch.arange(4.0 * world) + rank, async_op=True)
+    deadline = time.monotonic() + 30
+    while not w4.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    completes_by_itself = w4.is_completed() and torch.equal(polled, want_rs)
+    w4.wait()
     return {
         "ag0": gathered[0].tolist() == [float(r) for r in range(world) for _ in range(3)],
         "ag1": gathered[1].tolist() == [float(r + 10) for r in range(world) for _ in range(3)],
         "rs": torch.equal(rs_out, want_rs),
         "user": got.tolist() == [float((rank - 1) % world)] * 5,
-        "is_completed_nonblocking": done_early,
+        "completes_without_wait": completes_by_itself,
     }
 
 

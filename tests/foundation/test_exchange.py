@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cadence import CollectiveAlgorithms
+from cadence._exchange import ExchangeWork
 from cadence.errors import CadenceValueError
 from cadence.testing import run_distributed
 from tests.foundation import bodies_exchange
@@ -36,7 +37,7 @@ def test_interleaved_exchanges_and_user_messages_match_up() -> None:
             "ag1": True,
             "rs": True,
             "user": True,
-            "is_completed_nonblocking": True,
+            "completes_without_wait": True,
         }
 
 
@@ -54,6 +55,22 @@ def test_wrappers_train_identically_with_either_algorithm() -> None:
         assert r["dp_max_diff"] == 0.0
         assert "CollectiveAlgorithms" in r["fsdp_type_error"]
         assert "finalize_backward()" in r["dp_pending_error"]
+
+
+def test_finisher_error_is_raised_by_wait_and_completion_still_reported() -> None:
+    class FailingWork:
+        def wait(self) -> None:
+            raise RuntimeError("peer went away")
+
+    def never() -> None:
+        raise AssertionError("finish must not run after a failed transfer")
+
+    work = ExchangeWork([FailingWork()], never, pg=object())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="peer went away"):
+        work.wait()
+    assert work.is_completed()
+    with pytest.raises(RuntimeError, match="peer went away"):  # every wait() says so
+        work.wait()
 
 
 def test_policy_is_validated_and_scoped_to_gloo_cpu() -> None:

@@ -139,6 +139,21 @@ class Runtime:
         live = sum(u.unsharded_bytes for u in self.units)
         self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, live)
 
+    def _hidden_reduce_bytes(self) -> int:
+        """Peak bytes the backend holds beside the in-flight reduce-scatter inputs.
+
+        gloo's own reduce-scatter clones its whole input (an all-reduce, then a chunk
+        copy); cadence's exchange receives (world - 1) / world of it (see
+        [Note: why cadence replaces some of gloo's collectives]); NCCL holds none.
+        """
+        comm = self.units[0].comm if self.units else None
+        peak = self.peak_inflight_reduce_bytes
+        if comm is None or comm.backend != "gloo" or comm.world_size < 2:
+            return 0
+        if comm.algorithms.reduce_scatter in ("auto", "exchange"):
+            return peak * (comm.world_size - 1) // comm.world_size
+        return peak
+
     def memory_stats(self) -> dict[str, int]:
         inflight = sum(pr.input_bytes for pr in self.inflight)
         return {
@@ -148,8 +163,7 @@ class Runtime:
             "accumulated_grad_bytes": sum(u.accumulated_bytes for u in self.units),
             "inflight_reduce_bytes": inflight,
             "peak_inflight_reduce_bytes": self.peak_inflight_reduce_bytes,
-            # gloo's reduce-scatter clones its whole input (all-reduce + chunk copy).
-            "gloo_hidden_reduce_bytes": self.peak_inflight_reduce_bytes,
+            "gloo_hidden_reduce_bytes": self._hidden_reduce_bytes(),
             "inflight_reductions": len(self.inflight),
             "peak_inflight_reductions": self.peak_inflight_reductions,
             "max_inflight_reductions": self.max_inflight_reductions,
