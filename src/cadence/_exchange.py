@@ -237,26 +237,35 @@ def exchange_all_gather(
 def exchange_reduce_scatter(
     pg: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, rank: int, world: int
 ) -> ExchangeWork:
-    """``output = sum over ranks of their input chunk ``rank```` (SUM; AVG divides after)."""
+    """``output = sum over ranks of their input chunk ``rank```` (SUM; AVG divides after).
+
+    The lowest-ranked peer's chunk is received straight into ``output`` (at world 2
+    the exchange then needs no buffer of its own); the others into one buffer. The sum
+    runs in rank order: ``output`` holds one of the two lowest ranks' chunks and the
+    first addition commutes, so every rank computes ``((x_0 + x_1) + x_2) + ...``.
+    """
     chunks = input.reshape(world, -1)
-    peers = [p for p in range(world) if p != rank]
-    received = torch.empty((world - 1, chunks.shape[1]), dtype=input.dtype, device=input.device)
-    works = _post(
-        pg, [(chunks[p], p) for p in peers], [(received[i], p) for i, p in enumerate(peers)]
-    )
-    flat_out = output.view(-1)
     own = chunks[rank]
-    # Summing into ``output`` overwrites it before later parts are read: when it is our
-    # own chunk of ``input`` (an in-place reduce-scatter) and not among the first two
-    # addends, read that chunk from a copy.
-    aliased = world > 2 and rank >= 2 and _overlaps(output, own)
+    flat_out = output.view(-1)
+    peers = [p for p in range(world) if p != rank]
+    # An in-place reduce-scatter (``output`` is our own chunk of ``input``) cannot
+    # receive into ``output`` before that chunk is summed: everything goes to the buffer.
+    in_place = _overlaps(output, own)
+    direct = [] if in_place else peers[:1]
+    buffered = peers if in_place else peers[1:]
+    received = torch.empty((len(buffered), own.numel()), dtype=input.dtype, device=input.device)
+    slot = {p: received[i] for i, p in enumerate(buffered)}
+    slot.update({p: flat_out for p in direct})
+    works = _post(pg, [(chunks[p], p) for p in peers], [(slot[p], p) for p in peers])
 
     def finish() -> None:
         # Rank order, so the sum is the same whichever rank computes it.
-        parts = [received[i] for i, p in enumerate(peers) if p < rank]
-        parts.append(own.clone() if aliased else own)
-        parts += [received[i] for i, p in enumerate(peers) if p > rank]
-        torch.add(parts[0], parts[1], out=flat_out)
+        parts = [own.clone() if in_place and p == rank else slot.get(p, own) for p in range(world)]
+        if direct:
+            # ``output`` holds parts[0] or parts[1]: add the other one (addition commutes).
+            flat_out.add_(parts[1] if parts[0] is flat_out else parts[0])
+        else:
+            torch.add(parts[0], parts[1], out=flat_out)
         for part in parts[2:]:
             flat_out.add_(part)
 

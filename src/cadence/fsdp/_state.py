@@ -288,6 +288,15 @@ class Runtime:
             self.retire(self.inflight.popleft())
 
     def issue_reduction(self, unit: Unit, rs_input: torch.Tensor) -> None:
+        # [Note: who keeps a reduce-scatter input alive]
+        # The work does, not the runtime: gloo's own reduce-scatter keeps it (the
+        # CommWork's tensors) until waited, because gloo reads it on its own threads
+        # until then; an exchange (cadence/_exchange.py) keeps it only until its
+        # messages are sent and its sum is done, on the group's finisher thread. So
+        # with exchanges the (W, S) input is freed a few milliseconds after issue,
+        # while the reduction still counts as in flight here: the overlap of an async
+        # reduce-scatter without its input's memory for the rest of the next unit's
+        # backward.
         # See [Note: bounded in-flight reductions]: retire the oldest before issuing more.
         self.make_room()
         assert unit.comm is not None
@@ -297,7 +306,8 @@ class Runtime:
             work = unit.comm.reduce_scatter_single(
                 rs_output, rs_input.view(-1), op="avg", async_op=True
             )
-        self.inflight.append(PendingReduction(unit, rs_input, rs_output, work))
+        nbytes = rs_input.numel() * rs_input.element_size()
+        self.inflight.append(PendingReduction(unit, nbytes, rs_output, work))
         if self.max_inflight_reductions == 0:
             self.retire(self.inflight.popleft())  # synchronous mode: FSDP2-on-CPU memory
         self.peak_inflight_reductions = max(self.peak_inflight_reductions, len(self.inflight))
@@ -310,7 +320,7 @@ class Runtime:
 
     def retire(self, pr: PendingReduction) -> None:
         pr.rs_work.wait()
-        pr.rs_input = None  # free the (W, S) input as soon as the backend is done with it
+        pr.input_nbytes = 0
         unit = pr.unit
         if unit.replicate_comm is not None:
             if not unit.requires_all_reduce:

@@ -38,17 +38,19 @@ class AllGatherState(NamedTuple):
 class PendingReduction:
     """One unit's reduce-scatter (and HSDP all-reduce) in flight; owns its buffers."""
 
-    __slots__ = ("ar_work", "held", "rs_input", "rs_output", "rs_work", "unit")
+    __slots__ = ("ar_work", "held", "input_nbytes", "rs_output", "rs_work", "unit")
 
     def __init__(
         self,
         unit: Unit,
-        rs_input: torch.Tensor | None,
+        input_nbytes: int,
         rs_output: torch.Tensor,
         rs_work: CommWork,
     ) -> None:
         self.unit = unit
-        self.rs_input: torch.Tensor | None = rs_input  # (W, S) reduce dtype
+        # The (W, S) input itself is owned by the work, not held here: see
+        # [Note: who keeps a reduce-scatter input alive] in cadence/fsdp/_state.py.
+        self.input_nbytes = input_nbytes
         self.rs_output = rs_output  # (S,) reduce dtype
         self.rs_work = rs_work
         self.ar_work: CommWork | None = None
@@ -58,9 +60,8 @@ class PendingReduction:
 
     @property
     def input_bytes(self) -> int:
-        if self.rs_input is None:
-            return 0
-        return self.rs_input.numel() * self.rs_input.element_size()
+        """Bytes of the input while the reduction is in flight (0 once retired)."""
+        return self.input_nbytes
 
 
 def _set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
