@@ -55,6 +55,7 @@ _CHOICES = ("auto", "native", "exchange")
 # gloo's send/recv slot for cadence's exchanges ("cdnc"); users' point-to-point ops use
 # other tags (0 by default), so the two never match each other.
 EXCHANGE_TAG = 0x63646E63
+GATHER_TAG = EXCHANGE_TAG + 1  # an all-reduce's second phase, posted by the finisher
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ class ExchangeWork:
     def __init__(
         self,
         works: Sequence[Any],
-        finish: Callable[[], None] | None = None,
+        finish: Callable[[], Sequence[Any] | None] | None = None,
         pg: dist.ProcessGroup | None = None,
     ) -> None:
         self._works = list(works)
@@ -192,8 +193,10 @@ class ExchangeWork:
         try:
             for work in self._works:
                 work.wait()
-            if self._finish is not None:
-                self._finish()
+            # A finish may post a second phase (an all-reduce's gather) and return it.
+            more = self._finish() if self._finish is not None else None
+            for work in more or ():
+                work.wait()
         except BaseException as e:  # re-raised on the caller's thread by wait()
             self._error = e
         finally:
@@ -214,11 +217,12 @@ def _post(
     pg: dist.ProcessGroup,
     sends: list[tuple[torch.Tensor, int]],
     recvs: list[tuple[torch.Tensor, int]],
+    tag: int = EXCHANGE_TAG,
 ) -> list[Any]:
     # ProcessGroup.send/recv take group ranks; calling them directly skips the Python
     # wrappers of dist.isend/irecv, which cost more than the exchange saves on tiny tensors.
-    works = [pg.send([t], peer, EXCHANGE_TAG) for t, peer in sends]
-    works += [pg.recv([t], peer, EXCHANGE_TAG) for t, peer in recvs]
+    works = [pg.send([t], peer, tag) for t, peer in sends]
+    works += [pg.recv([t], peer, tag) for t, peer in recvs]
     return works
 
 
@@ -287,33 +291,41 @@ def exchange_all_reduce(
     world: int,
     pool: ScratchPool | None = None,
 ) -> ExchangeWork:
-    """Every rank sends its whole tensor to every peer and sums all of them in rank order.
+    """A reduce-scatter exchange, then an all-gather exchange of the reduced chunks.
 
-    Moves (world - 1) x the tensor per rank (a ring moves 2 (world - 1) / world x), so it
-    pays only at world 2, where both move the same bytes and the exchange saves gloo's
-    synchronisation rounds.
+    The bytes and the additions of a ring (each rank sums only its chunk, in rank
+    order, so every rank ends with the same bits). The gather is posted by the group's
+    finisher thread once the chunk is summed, on its own tag: all ranks' finishers
+    post gathers in issue order, as their main threads post the scatters, so both
+    message streams match first-in first-out. Chunks may differ by one element.
     """
-    flat = tensor.view(-1)
+    chunks = tensor.view(-1).tensor_split(world)
+    own = chunks[rank]
     peers = [p for p in range(world) if p != rank]
-    shape = (world - 1, flat.numel())
+    shape = (world - 1, own.numel())
     received = (
         pool.take(shape, tensor.dtype, tensor.device)
         if pool is not None
         else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     )
-    # The sum overwrites ``tensor`` before our own addend is read unless that addend is
-    # one of the first two (always at world 2, and for ranks 0 and 1).
-    mine = flat.clone() if rank >= 2 else flat
-    works = _post(pg, [(mine, p) for p in peers], [(received[i], p) for i, p in enumerate(peers)])
+    slot = {p: received[i] for i, p in enumerate(peers)}
+    works = _post(pg, [(chunks[p], p) for p in peers], [(slot[p], p) for p in peers])
 
-    def finish() -> None:
-        parts = [received[i] for i, p in enumerate(peers) if p < rank]
-        parts.append(mine)
-        parts += [received[i] for i, p in enumerate(peers) if p > rank]
-        torch.add(parts[0], parts[1], out=flat)
+    def finish() -> list[Any]:
+        # Sum into our own chunk, which phase one did not send. It is an addend too:
+        # when it is not among the first two (rank >= 2) read it from a copy.
+        mine = own.clone() if rank >= 2 else own
+        parts = [mine if p == rank else slot[p] for p in range(world)]
+        if rank < 2:
+            own.add_(parts[1 - rank])  # own + the other of the first two: commutes
+        else:
+            torch.add(parts[0], parts[1], out=own)
         for part in parts[2:]:
-            flat.add_(part)
+            own.add_(part)
         if pool is not None:
             pool.give(received)
+        # Phase two: our summed chunk to every peer, theirs into the chunks phase one
+        # sent (those sends are complete, so the chunks are free to overwrite).
+        return _post(pg, [(own, p) for p in peers], [(chunks[p], p) for p in peers], GATHER_TAG)
 
     return ExchangeWork(works, finish, pg)
