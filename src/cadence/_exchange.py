@@ -4,11 +4,14 @@
 On CPU, gloo's ``reduce_scatter`` costs about as much as an ``all_reduce`` of the
 whole input (it reduces every element, not only the caller's shard), and its
 ``all_gather`` copies through staging buffers. Both are on fully_shard's critical
-path. Measured with ``bench/gloo_collectives.py`` (world 2 and 4, one thread per
-rank, 1-16 MiB): an exchange in which every rank sends each peer the peer's chunk
-and sums what it receives takes about half of gloo's reduce-scatter time and CPU;
-an exchange all-gather about 0.65-0.85 of gloo's. An all-reduce by exchange wins
-only at world 2 and small buffers, so it is opt-in.
+path. Measured with ``cadence bench collectives`` (docs/benchmarks.md; world 2 and
+4, one thread per rank, 0.25-16 MiB, median time exchange / gloo's own): an
+exchange in which every rank sends each peer the peer's chunk and sums what it
+receives takes 0.40-0.82 of gloo's reduce-scatter; an exchange all-gather 0.70-0.85
+of gloo's from 1 MiB (or from world 3) and 1.16 at 0.25 MiB on world 2, hence the
+size rule of ``"auto"``. An all-reduce by exchange (a reduce-scatter exchange, then a
+gather) ranges 0.73-1.35 of gloo's alone and measured slower inside DataParallel's
+steps, so it is opt-in.
 
 The exchange is the same arithmetic, in a fixed order: a reduce-scatter's shard is
 summed in rank order, ``((x_0 + x_1) + x_2) + ...``, on the one rank that owns it,
@@ -56,6 +59,8 @@ _CHOICES = ("auto", "native", "exchange")
 # other tags (0 by default), so the two never match each other.
 EXCHANGE_TAG = 0x63646E63
 GATHER_TAG = EXCHANGE_TAG + 1  # an all-reduce's second phase, posted by the finisher
+# Below this (gathered bytes, world 2), gloo's all-gather measured faster than an exchange.
+AUTO_ALL_GATHER_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ class CollectiveAlgorithms:
     """How `cadence.Comm` runs each collective on a gloo group (NCCL is always native).
 
     ``"auto"`` (default) picks what measured fastest on CPU: exchange for
-    reduce-scatter and all-gather, gloo's own all-reduce. ``"native"`` always calls
+    reduce-scatter, exchange for all-gathers of at least `AUTO_ALL_GATHER_BYTES` or
+    on more than two ranks, gloo's own all-reduce. ``"native"`` always calls
     gloo's collective; ``"exchange"`` always uses pairwise exchanges. See
     [Note: why cadence replaces some of gloo's collectives] in ``cadence/_exchange.py``.
     """
@@ -90,9 +96,11 @@ class CollectiveAlgorithms:
         if world < 2 or backend != "gloo" or tensor.device.type != "cpu":
             return False
         choice = getattr(self, kind)
-        if choice == "auto":
-            return kind != "all_reduce"
-        return choice == "exchange"
+        if choice != "auto":
+            return choice == "exchange"
+        if kind == "all_gather":
+            return world > 2 or tensor.numel() * tensor.element_size() >= AUTO_ALL_GATHER_BYTES
+        return kind == "reduce_scatter"
 
 
 def check_algorithms(value: object, who: str) -> CollectiveAlgorithms:

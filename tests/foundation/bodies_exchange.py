@@ -152,7 +152,7 @@ def _fsdp(base: nn.Module, algorithms: CollectiveAlgorithms | None) -> list[torc
     if algorithms is not None:
         model.set_collective_algorithms(algorithms)
     params = _train(model)
-    used = {e.meta.get("algorithm", "native") for e in log.collectives()}
+    used = {f"{e.kind}:{e.meta.get('algorithm', 'native')}" for e in log.collectives()}
     return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params] + [used]  # type: ignore[list-item]
 
 

@@ -49,8 +49,9 @@ def test_uncovered_ops_and_layouts_run_natively() -> None:
 
 def test_wrappers_train_identically_with_either_algorithm() -> None:
     for r in run_distributed(bodies_exchange.wrappers, world_size=2, timeout=90):
-        assert r["fsdp_auto_used"] == ["exchange"]
-        assert r["fsdp_native_used"] == ["native"]
+        # Small units on two ranks: exchanged reduce-scatters, gloo's own all-gathers.
+        assert r["fsdp_auto_used"] == ["all_gather:native", "reduce_scatter:exchange"]
+        assert r["fsdp_native_used"] == ["all_gather:native", "reduce_scatter:native"]
         assert r["fsdp_max_diff"] == 0.0
         assert r["dp_max_diff"] == 0.0
         assert "CollectiveAlgorithms" in r["fsdp_type_error"]
@@ -80,6 +81,8 @@ def test_policy_is_validated_and_scoped_to_gloo_cpu() -> None:
     cpu = torch.zeros(4)
     assert auto.uses_exchange("reduce_scatter", "gloo", cpu, 2)
     assert auto.uses_exchange("all_gather", "gloo", cpu, 4)
+    assert not auto.uses_exchange("all_gather", "gloo", cpu, 2)  # small, two ranks: gloo's
+    assert auto.uses_exchange("all_gather", "gloo", torch.zeros(1 << 18), 2)  # 1 MiB
     assert not auto.uses_exchange("all_reduce", "gloo", cpu, 2)  # opt-in only
     assert not auto.uses_exchange("reduce_scatter", "nccl", cpu, 2)
     assert not auto.uses_exchange("reduce_scatter", "gloo", cpu, 1)
