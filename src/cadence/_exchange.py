@@ -21,10 +21,12 @@ tag so they never match a user's ``send``/``recv`` on the same group, and all ra
 post them in program order, as collectives require anyway: gloo matches
 point-to-point messages first-in first-out per peer and tag.
 
-Completion: gloo's point-to-point works say they are complete only once waited,
-and a reduce-scatter's sum needs a thread, so each group has a `_Finisher` thread that
-waits its exchanges in issue order and sums them, as gloo's worker threads do for its
-own collectives: ``is_completed()`` turns True by itself, with the result in place.
+Threads: gloo copies a send into the socket on the thread that posts it, its
+point-to-point works say they are complete only once waited, and a reduce-scatter's
+sum needs a thread. So each group has two threads (`_GroupThreads`), where gloo's
+worker threads stand for its own collectives: one posts exchanges in issue order,
+one waits them and sums; ``is_completed()`` turns True by itself, with the result in
+place, and the caller's thread only queues the exchange.
 
 Only CPU tensors on a gloo group take this path; NCCL's collectives are already
 the right algorithm and are never replaced.
@@ -32,6 +34,7 @@ the right algorithm and are never replaced.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -123,82 +126,124 @@ class ScratchPool:
 
     def __init__(self) -> None:
         self._free: dict[tuple[tuple[int, ...], torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
 
     def take(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        free = self._free.get((shape, dtype, device))
-        return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+        with self._lock:
+            free = self._free.get((shape, dtype, device))
+            if free:
+                return free.pop()
+        return torch.empty(shape, dtype=dtype, device=device)
 
     def give(self, t: torch.Tensor) -> None:
-        self._free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
+        # Called on the finisher thread while the caller's thread may be taking.
+        with self._lock:
+            self._free.setdefault((tuple(t.shape), t.dtype, t.device), []).append(t)
 
 
-class _Finisher:
-    """A daemon thread that waits a group's exchanges in issue order and runs their sums.
+class _GroupThreads:
+    """Two daemon threads per process group that run its exchanges, in issue order.
 
-    gloo's point-to-point works report completion only once waited, and a sum needs
-    a thread: this one stands where gloo's worker threads stand for its own
-    collectives, so ``is_completed()`` turns True by itself and the sums run beside
-    the caller's compute (``Work.wait`` and the torch ops release the GIL). One per
-    process group, as gloo has: all ranks issue a group's exchanges in the same order,
-    so FIFO never waits on a later exchange of the same group, and groups never wait
-    on each other.
+    The poster posts each exchange's sends and receives: gloo copies a send into the
+    socket on the posting thread, which on the caller's thread would be compute time
+    (gloo's own collectives do it on gloo's worker threads). The finisher then waits
+    each exchange's messages and runs its sum, because gloo's point-to-point works
+    report completion only once waited: so ``is_completed()`` turns True by itself,
+    with the result in place. Both release the GIL while gloo or torch work.
+
+    FIFO keeps every rank's messages in the same order per peer and tag, since all
+    ranks issue a group's collectives in the same order; one pair of threads per group,
+    as gloo has worker threads per group, so groups never wait on each other.
     """
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[ExchangeWork] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._to_post: queue.SimpleQueue[ExchangeWork] = queue.SimpleQueue()
+        self._to_finish: queue.SimpleQueue[ExchangeWork] = queue.SimpleQueue()
+        for target, suffix in ((self._post_loop, "post"), (self._finish_loop, "finish")):
+            threading.Thread(target=target, name=f"{name}-{suffix}", daemon=True).start()
 
     def submit(self, work: ExchangeWork) -> None:
-        self._queue.put(work)
+        self._to_post.put(work)
 
-    def _run(self) -> None:
+    def _post_loop(self) -> None:
         while True:
-            self._queue.get()._complete()
+            work = self._to_post.get()
+            work._post()
+            self._to_finish.put(work)
+
+    def _finish_loop(self) -> None:
+        while True:
+            self._to_finish.get()._complete()
 
 
-_FINISHERS: dict[int, _Finisher] = {}
-_FINISHERS_LOCK = threading.Lock()
+_THREADS: dict[int, _GroupThreads] = {}
+_THREADS_LOCK = threading.Lock()
 
 
-def _finisher(pg: dist.ProcessGroup) -> _Finisher:
+def _forget_threads_after_fork() -> None:
+    # A forked child has none of the parent's threads: queueing to their queues would
+    # wait forever, so the child starts its own.
+    global _THREADS_LOCK
+    _THREADS.clear()
+    _THREADS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_threads_after_fork)
+
+
+def _group_threads(pg: Any) -> _GroupThreads:
     # Keyed by the group object's id: a group created later at a reused address gets
-    # the same thread, which holds no state of the old group between works.
-    with _FINISHERS_LOCK:
-        fin = _FINISHERS.get(id(pg))
-        if fin is None:
-            fin = _FINISHERS[id(pg)] = _Finisher(f"cadence-exchange-{len(_FINISHERS)}")
-        return fin
+    # the same threads, which hold no state of the old group between works.
+    with _THREADS_LOCK:
+        threads = _THREADS.get(id(pg))
+        if threads is None:
+            threads = _THREADS[id(pg)] = _GroupThreads(f"cadence-exchange-{len(_THREADS)}")
+        return threads
 
 
 class ExchangeWork:
-    """Point-to-point works standing for one collective; ``finish`` runs once after them.
+    """One collective made of point-to-point messages.
 
-    Completed by the group's `_Finisher` thread; an error there (a timeout, a failed
-    sum) is re-raised by ``wait()``.
+    ``post()`` posts the messages and returns their works; ``finish()`` runs once
+    they completed (a sum) and may post and return a second phase. With a group both
+    run on the group's threads (`_GroupThreads`); an error there (a timeout, a failed
+    sum) is re-raised by ``wait()``. Without one (tests) both run at construction.
     """
 
-    __slots__ = ("_done", "_error", "_finish", "_works")
+    __slots__ = ("_done", "_error", "_finish", "_post_fn", "_works")
 
     def __init__(
         self,
-        works: Sequence[Any],
+        post: Callable[[], Sequence[Any]],
         finish: Callable[[], Sequence[Any] | None] | None = None,
-        pg: dist.ProcessGroup | None = None,
+        pg: Any = None,
     ) -> None:
-        self._works = list(works)
+        self._post_fn: Callable[[], Sequence[Any]] | None = post
+        self._works: list[Any] = []
         self._finish = finish
         self._error: BaseException | None = None
         self._done = threading.Event()
         if pg is None:
+            self._post()
             self._complete()
         else:
-            _finisher(pg).submit(self)
+            _group_threads(pg).submit(self)
+
+    def _post(self) -> None:
+        try:
+            assert self._post_fn is not None
+            self._works = list(self._post_fn())
+        except BaseException as e:  # re-raised on the caller's thread by wait()
+            self._error = e
+        finally:
+            self._post_fn = None
 
     def _complete(self) -> None:
         try:
+            if self._error is not None:
+                return
             for work in self._works:
                 work.wait()
             # A finish may post a second phase (an all-reduce's gather) and return it.
@@ -241,9 +286,12 @@ def exchange_all_gather(
     chunks = output.view(world, -1)
     flat = input.reshape(-1)
     peers = [p for p in range(world) if p != rank]
-    works = _post(pg, [(flat, p) for p in peers], [(chunks[p], p) for p in peers])
-    chunks[rank].copy_(flat)
-    return ExchangeWork(works, pg=pg)
+    sends, recvs = [(flat, p) for p in peers], [(chunks[p], p) for p in peers]
+
+    def finish() -> None:
+        chunks[rank].copy_(flat)  # our own part, off the caller's thread too
+
+    return ExchangeWork(lambda: _post(pg, sends, recvs), finish, pg)
 
 
 def exchange_reduce_scatter(
@@ -268,7 +316,7 @@ def exchange_reduce_scatter(
     received = torch.empty((len(buffered), own.numel()), dtype=input.dtype, device=input.device)
     slot = {p: received[i] for i, p in enumerate(buffered)}
     slot.update({p: flat_out for p in direct})
-    works = _post(pg, [(chunks[p], p) for p in peers], [(slot[p], p) for p in peers])
+    sends, recvs = [(chunks[p], p) for p in peers], [(slot[p], p) for p in peers]
 
     def finish() -> None:
         # Rank order, so the sum is the same whichever rank computes it.
@@ -281,7 +329,7 @@ def exchange_reduce_scatter(
         for part in parts[2:]:
             flat_out.add_(part)
 
-    return ExchangeWork(works, finish, pg)
+    return ExchangeWork(lambda: _post(pg, sends, recvs), finish, pg)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -304,8 +352,8 @@ def exchange_all_reduce(
     The bytes and the additions of a ring (each rank sums only its chunk, in rank
     order, so every rank ends with the same bits). The gather is posted by the group's
     finisher thread once the chunk is summed, on its own tag: all ranks' finishers
-    post gathers in issue order, as their main threads post the scatters, so both
-    message streams match first-in first-out. Chunks may differ by one element.
+    post gathers in issue order, as their posters post the scatters, so both message
+    streams match first-in first-out. Chunks may differ by one element.
     """
     chunks = tensor.view(-1).tensor_split(world)
     own = chunks[rank]
@@ -317,7 +365,7 @@ def exchange_all_reduce(
         else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     )
     slot = {p: received[i] for i, p in enumerate(peers)}
-    works = _post(pg, [(chunks[p], p) for p in peers], [(slot[p], p) for p in peers])
+    sends, recvs = [(chunks[p], p) for p in peers], [(slot[p], p) for p in peers]
 
     def finish() -> list[Any]:
         # Sum into our own chunk, which phase one did not send. It is an addend too:
@@ -336,4 +384,4 @@ def exchange_all_reduce(
         # sent (those sends are complete, so the chunks are free to overwrite).
         return _post(pg, [(own, p) for p in peers], [(chunks[p], p) for p in peers], GATHER_TAG)
 
-    return ExchangeWork(works, finish, pg)
+    return ExchangeWork(lambda: _post(pg, sends, recvs), finish, pg)

@@ -66,12 +66,43 @@ def test_finisher_error_is_raised_by_wait_and_completion_still_reported() -> Non
     def never() -> None:
         raise AssertionError("finish must not run after a failed transfer")
 
-    work = ExchangeWork([FailingWork()], never, pg=object())  # type: ignore[arg-type]
+    work = ExchangeWork(lambda: [FailingWork()], never, pg=object())
     with pytest.raises(RuntimeError, match="peer went away"):
         work.wait()
     assert work.is_completed()
     with pytest.raises(RuntimeError, match="peer went away"):  # every wait() says so
         work.wait()
+
+
+def test_a_failed_post_is_raised_by_wait() -> None:
+    def post() -> list[object]:
+        raise RuntimeError("connection reset")
+
+    work = ExchangeWork(post, pg=object())
+    with pytest.raises(RuntimeError, match="connection reset"):
+        work.wait()
+    assert work.is_completed()
+
+
+def test_a_forked_child_starts_its_own_threads() -> None:
+    import multiprocessing as mp
+
+    from cadence import _exchange
+
+    key = object()
+    parent = _exchange._group_threads(key)
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+
+    def child() -> None:
+        work = ExchangeWork(list, lambda: None, pg=key)
+        work.wait()  # served by threads of this process, not the parent's dead ones
+        queue.put(_exchange._group_threads(key) is not parent)
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0 and queue.get() is True
 
 
 def test_policy_is_validated_and_scoped_to_gloo_cpu() -> None:
