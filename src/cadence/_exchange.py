@@ -170,7 +170,7 @@ class _GroupThreads:
     def _post_loop(self) -> None:
         while True:
             work = self._to_post.get()
-            work._post()
+            work._post_messages()
             self._to_finish.put(work)
 
     def _finish_loop(self) -> None:
@@ -226,12 +226,12 @@ class ExchangeWork:
         self._error: BaseException | None = None
         self._done = threading.Event()
         if pg is None:
-            self._post()
+            self._post_messages()
             self._complete()
         else:
             _group_threads(pg).submit(self)
 
-    def _post(self) -> None:
+    def _post_messages(self) -> None:
         try:
             assert self._post_fn is not None
             self._works = list(self._post_fn())

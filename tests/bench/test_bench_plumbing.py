@@ -64,6 +64,16 @@ def test_dp_record_chart_and_docs(tmp_path: Path) -> None:
     assert "![cadence bench dp](dp-full.png)" in page
 
 
+def test_pp_record(tmp_path: Path) -> None:
+    record, path, _ = run_bench("pp", tiny=True, out_dir=tmp_path)
+    _check_record(record, path, "pp")
+    assert [r["case"] for r in record["rows"]][:2] == ["world 2 gpipe v=1", "world 2 1f1b v=1"]
+    for row in record["rows"]:
+        assert row["metric"] == "step time" and row["target"] == 0.95
+        assert set(row["abs_ms"]) == {"cadence", "torch", "torch_b"}
+        assert "microbatches" in row["what"]
+
+
 def test_collectives_record(tmp_path: Path) -> None:
     record, path, _ = run_bench("collectives", tiny=True, out_dir=tmp_path)
     _check_record(record, path, "collectives")

@@ -79,6 +79,33 @@ def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
+def timed_row(
+    case: str,
+    times: dict[str, list[float]],
+    *,
+    mine: str,
+    ref: str,
+    ref_b: str,
+    target: float | None,
+    metric: str = "step time",
+    what: str | None = None,
+) -> dict[str, Any]:
+    """One timing row: ``mine`` / ``ref`` per repetition, and ``ref`` / ``ref_b`` (A/A)."""
+    row: dict[str, Any] = {"case": case}
+    if what is not None:
+        row["what"] = what
+    row.update(
+        {
+            "metric": metric,
+            "ratio": ratio_summary(paired_ratios(times[mine], times[ref])),
+            "aa": ratio_summary(paired_ratios(times[ref], times[ref_b])),
+            "target": target,
+            "abs_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        }
+    )
+    return row
+
+
 def make_record(
     kind: str,
     *,

@@ -12,7 +12,6 @@ a default, not a goal.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ from cadence.bench._loop import (
     loadavg,
     slowest_per_rep,
 )
-from cadence.bench._record import make_record, paired_ratios, ratio_summary
+from cadence.bench._record import make_record, timed_row
 
 __all__ = ["rank_body", "run"]
 
@@ -87,16 +86,11 @@ def run(
             kind, mib = key.split("|")
             results = [r[key] for r in per_rank]
             t = {name: slowest_per_rep(results, name) for name in VARIANTS}
+            case = f"{kind} {float(mib):g} MiB, world {world}"
             rows.append(
-                {
-                    "case": f"{kind} {float(mib):g} MiB, world {world}",
-                    "metric": "time",
-                    "ratio": ratio_summary(paired_ratios(t["exchange"], t["native"])),
-                    "aa": ratio_summary(paired_ratios(t["native"], t["native_b"])),
-                    "target": None,
-                    "abs_ms": {k: 1e3 * statistics.median(v) for k, v in t.items()},
-                }
-            )
+                timed_row(case, t, mine="exchange", ref="native", ref_b="native_b",
+                          target=None, metric="time")
+            )  # fmt: skip
     return make_record(
         "collectives",
         quick=quick,

@@ -12,11 +12,10 @@ Target: <= 0.95 per schedule.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from cadence.bench._loop import device_and_backend, interleave, launch_ranks, loadavg, rank_device
-from cadence.bench._record import make_record, paired_ratios, ratio_summary
+from cadence.bench._record import make_record, timed_row
 
 __all__ = ["SCHEDULES", "mse", "rank_body", "run"]
 
@@ -116,18 +115,14 @@ def run(*, quick: bool, tiny: bool = False, worlds: tuple[int, ...] = (2, 4)) ->
         per_rank = launch_ranks(pp.rank_body, sizes, warmup, reps, world=world, timeout=1800)
         # Every rank's step ends with a barrier, so rank 0's clock is the pipeline's.
         for case, times in per_rank[0].items():
-            rows.append(
-                {
-                    "case": f"world {world} {case}",
-                    "what": f"{sizes['layers']} x [Linear({sizes['width']}) + GELU], batch "
-                    f"{sizes['batch']}, {sizes['microbatches']} microbatches",
-                    "metric": "step time",
-                    "ratio": ratio_summary(paired_ratios(times["cadence"], times["torch"])),
-                    "aa": ratio_summary(paired_ratios(times["torch"], times["torch_b"])),
-                    "target": TARGET,
-                    "abs_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
-                }
+            what = (
+                f"{sizes['layers']} x [Linear({sizes['width']}) + GELU], batch "
+                f"{sizes['batch']}, {sizes['microbatches']} microbatches"
             )
+            rows.append(
+                timed_row(f"world {world} {case}", times, mine="cadence", ref="torch",
+                          ref_b="torch_b", target=TARGET, what=what)
+            )  # fmt: skip
     return make_record(
         "pp",
         quick=quick,

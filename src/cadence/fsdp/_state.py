@@ -143,15 +143,16 @@ class Runtime:
         """Peak bytes the backend holds beside the in-flight reduce-scatter inputs.
 
         gloo's own reduce-scatter clones its whole input (an all-reduce, then a chunk
-        copy); cadence's exchange receives (world - 1) / world of it (see
-        [Note: why cadence replaces some of gloo's collectives]); NCCL holds none.
+        copy); cadence's exchange receives one peer's chunk into the output and the
+        other (world - 2) into a buffer (see [Note: why cadence replaces some of
+        gloo's collectives]); NCCL holds none.
         """
         comm = self.units[0].comm if self.units else None
         peak = self.peak_inflight_reduce_bytes
         if comm is None or comm.backend != "gloo" or comm.world_size < 2:
             return 0
         if comm.algorithms.reduce_scatter in ("auto", "exchange"):
-            return peak * (comm.world_size - 1) // comm.world_size
+            return peak * (comm.world_size - 2) // comm.world_size
         return peak
 
     def memory_stats(self) -> dict[str, int]:
