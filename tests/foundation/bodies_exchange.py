@@ -183,4 +183,18 @@ def wrappers() -> dict[str, Any]:
     except cadence.CadenceError as e:
         res["dp_pending_error"] = str(e)
     manual.finalize_backward()
+    try:
+        dp.set_collective_algorithms("exchange")  # type: ignore[arg-type]
+    except TypeError as e:
+        res["dp_type_error"] = str(e)
+    # Inside backward (from a hook): refused, since the ranks could switch at different units.
+    sharded = copy.deepcopy(base)
+    cadence.fully_shard(sharded)
+    out = sharded(torch.randn(4, 16))
+    out.register_hook(lambda g: sharded.set_collective_algorithms(CollectiveAlgorithms()))
+    try:
+        out.sum().backward()
+    except cadence.CadenceError as e:
+        res["fsdp_in_backward_error"] = str(e)
+    sharded.reset_iter_state()
     return res

@@ -56,6 +56,8 @@ def test_wrappers_train_identically_with_either_algorithm() -> None:
         assert r["dp_max_diff"] == 0.0
         assert "CollectiveAlgorithms" in r["fsdp_type_error"]
         assert "finalize_backward()" in r["dp_pending_error"]
+        assert "takes a cadence.CollectiveAlgorithms, got str" in r["dp_type_error"]
+        assert "called inside backward" in r["fsdp_in_backward_error"]
 
 
 def test_finisher_error_is_raised_by_wait_and_completion_still_reported() -> None:
