@@ -89,8 +89,10 @@ def timed_row(
     target: float | None,
     metric: str = "step time",
     what: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One timing row: ``mine`` / ``ref`` per repetition, and ``ref`` / ``ref_b`` (A/A)."""
+    """One timing row: ``mine`` / ``ref`` per repetition, and ``ref`` / ``ref_b`` (A/A);
+    ``abs_ms`` holds every variant's median."""
     row: dict[str, Any] = {"case": case}
     if what is not None:
         row["what"] = what
@@ -103,6 +105,8 @@ def timed_row(
             "abs_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
         }
     )
+    if extra is not None:
+        row["extra"] = extra
     return row
 
 

@@ -30,7 +30,7 @@ from cadence.bench._loop import (
     slowest_per_rep,
 )
 from cadence.bench._memory import MEMORY_ENV, floor_page, memory_row, peak_growth
-from cadence.bench._record import make_record, paired_ratios, ratio_summary
+from cadence.bench._record import make_record, timed_row
 
 __all__ = ["CASES", "rank_body", "rss_body", "run"]
 
@@ -161,37 +161,24 @@ def summarize(cases: dict[str, dict[str, Any]], per_rank: list[Any]) -> list[dic
         results = [r[name]["times"] for r in per_rank]
         step = {k: slowest_per_rep(results, k) for k in ("plain", "cadence", "torch", "torch_b")}
         med = {k: statistics.median(v) for k, v in step.items()}
+        extra = {
+            "overlap_limit_cadence": med["cadence"] / med["plain"],
+            "overlap_limit_torch": med["torch"] / med["plain"],
+            "buckets_cadence": per_rank[0][name]["buckets"],
+        }
         rows.append(
-            {
-                "case": name,
-                "what": spec["what"],
-                "metric": "step time",
-                "ratio": ratio_summary(paired_ratios(step["cadence"], step["torch"])),
-                "aa": ratio_summary(paired_ratios(step["torch"], step["torch_b"])),
-                "target": TARGET,
-                "abs_ms": {k: 1e3 * v for k, v in med.items()},
-                "extra": {
-                    "overlap_limit_cadence": med["cadence"] / med["plain"],
-                    "overlap_limit_torch": med["torch"] / med["plain"],
-                    "buckets_cadence": per_rank[0][name]["buckets"],
-                },
-            }
-        )
+            timed_row(name, step, mine="cadence", ref="torch", ref_b="torch_b", target=TARGET,
+                      what=spec["what"], extra=extra)
+        )  # fmt: skip
         # CPU seconds of all ranks (every thread) per repetition.
         cpu = {
             k: [sum(c) for c in zip(*(r[name]["cpu"][k] for r in per_rank), strict=True)]
             for k in ("plain", "cadence", "torch", "torch_b")
         }
         rows.append(
-            {
-                "case": name,
-                "metric": "CPU time, all ranks",
-                "ratio": ratio_summary(paired_ratios(cpu["cadence"], cpu["torch"])),
-                "aa": ratio_summary(paired_ratios(cpu["torch"], cpu["torch_b"])),
-                "target": None,
-                "abs_ms": {k: 1e3 * statistics.median(v) for k, v in cpu.items()},
-            }
-        )
+            timed_row(name, cpu, mine="cadence", ref="torch", ref_b="torch_b", target=None,
+                      metric="CPU time, all ranks")
+        )  # fmt: skip
     return rows
 
 

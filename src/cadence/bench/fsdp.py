@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import statistics
 from typing import Any
 
 from cadence.bench._loop import (
@@ -32,7 +31,7 @@ from cadence.bench._loop import (
     slowest_per_rep,
 )
 from cadence.bench._memory import MEMORY_ENV, floor_page, memory_row, peak_growth
-from cadence.bench._record import make_record, paired_ratios, ratio_summary
+from cadence.bench._record import make_record, timed_row
 
 __all__ = ["CONFIGS", "SHAPES", "rank_body", "rss_body", "run"]
 
@@ -185,18 +184,11 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
         step = {k: slowest_per_rep(results, k) for k, _ in VARIANTS}
         s = shapes[shape]
         for name, suffix in CADENCE_ROWS:
+            what = f"{s['layers']} x [Linear({s['dim']}) + GELU] + head, batch {s['batch']}"
             rows.append(
-                {
-                    "case": f"{shape} {config}{suffix}",
-                    "what": f"{s['layers']} x [Linear({s['dim']}) + GELU] + head, "
-                    f"batch {s['batch']}",
-                    "metric": "step time",
-                    "ratio": ratio_summary(paired_ratios(step[name], step["torch"])),
-                    "aa": ratio_summary(paired_ratios(step["torch"], step["torch_b"])),
-                    "target": TIME_TARGET,
-                    "abs_ms": {k: 1e3 * statistics.median(v) for k, v in step.items()},
-                }
-            )
+                timed_row(f"{shape} {config}{suffix}", step, mine=name, ref="torch",
+                          ref_b="torch_b", target=TIME_TARGET, what=what)
+            )  # fmt: skip
     # Memory: a fresh process tree per implementation (the A/A runs torch twice).
     mem = {
         name: launch_ranks(

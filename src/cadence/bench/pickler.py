@@ -12,7 +12,6 @@ Targets: dumps time <= 0.80 of cloudpickle's; payload size <= 1.00.
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 import time
 import types
@@ -20,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cadence.bench._loop import loadavg
-from cadence.bench._record import make_record, paired_ratios, ratio_summary
+from cadence.bench._record import make_record, ratio_summary, timed_row
 
 __all__ = ["CORPUS", "calls_for", "run"]
 
@@ -138,15 +137,9 @@ def run(*, quick: bool, tiny: bool = False) -> dict[str, Any]:
                 times[name].append((time.process_time() - t0) / n)
         size = {k: len(libs[k](obj)) for k in ("cadence", "cloudpickle")}
         rows.append(
-            {
-                "case": case,
-                "metric": "dumps time",
-                "ratio": ratio_summary(paired_ratios(times["cadence"], times["cloudpickle"])),
-                "aa": ratio_summary(paired_ratios(times["cloudpickle"], times["cloudpickle_b"])),
-                "target": TIME_TARGET,
-                "abs_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
-            }
-        )
+            timed_row(case, times, mine="cadence", ref="cloudpickle", ref_b="cloudpickle_b",
+                      target=TIME_TARGET, metric="dumps time")
+        )  # fmt: skip
         rows.append(
             {
                 "case": case,

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import os
 import resource
-import statistics
 import tempfile
 import time
 from typing import Any
 
 from cadence.bench._loop import device_and_backend, launch_ranks, loadavg, rank_device
-from cadence.bench._record import make_record, paired_ratios, ratio_summary
+from cadence.bench._record import make_record, timed_row
 from cadence.errors import CadenceRuntimeError
 
 __all__ = ["MODES", "rank_body", "run"]
@@ -177,17 +176,10 @@ def run(
                           ("CPU time to first step, all ranks", cpu)):  # fmt: skip
         for mode in ("precompile", "cache"):
             rows.append(
-                {
-                    "case": mode,
-                    "what": f"{mode} / jit on {world} ranks",
-                    "metric": metric,
-                    "ratio": ratio_summary(paired_ratios(times[mode], times["jit"])),
-                    "aa": ratio_summary(paired_ratios(times["jit"], times["jit_b"])),
-                    "target": None,
-                    "abs_ms": {m: 1e3 * statistics.median(v) for m, v in times.items()},
-                    "extra": {"sources": ",".join(sorted(sources[mode]))},
-                }
-            )
+                timed_row(mode, times, mine=mode, ref="jit", ref_b="jit_b", target=None,
+                          metric=metric, what=f"{mode} / jit on {world} ranks",
+                          extra={"sources": ",".join(sorted(sources[mode]))})
+            )  # fmt: skip
     return make_record(
         "precompile",
         quick=quick,
