@@ -7,11 +7,11 @@ whole input (it reduces every element, not only the caller's shard), and its
 path. Measured with ``cadence bench collectives`` (docs/benchmarks.md; world 2 and
 4, one thread per rank, 0.25-16 MiB, median time exchange / gloo's own): an
 exchange in which every rank sends each peer the peer's chunk and sums what it
-receives takes 0.40-0.82 of gloo's reduce-scatter; an exchange all-gather 0.70-0.85
-of gloo's from 1 MiB (or from world 3) and 1.16 at 0.25 MiB on world 2, hence the
-size rule of ``"auto"``. An all-reduce by exchange (a reduce-scatter exchange, then a
-gather) ranges 0.73-1.35 of gloo's alone and measured slower inside DataParallel's
-steps, so it is opt-in.
+receives takes 0.37-0.84 of gloo's reduce-scatter; an exchange all-gather 0.76-0.83
+of gloo's on world 4 and from 4 MiB on world 2, about the same at 1 MiB and 1.25
+at 0.25 MiB on world 2, hence the size rule of ``"auto"``. An all-reduce by exchange
+(a reduce-scatter exchange, then a gather) ranges 0.68-1.29 of gloo's alone and
+measured slower inside DataParallel's steps, so it is opt-in.
 
 The exchange is the same arithmetic, in a fixed order: a reduce-scatter's shard is
 summed in rank order, ``((x_0 + x_1) + x_2) + ...``, on the one rank that owns it,

@@ -31,8 +31,9 @@ _NOTES = {
     "collectives": (
         "One collective per step through `cadence.Comm`: ratio = exchange / gloo's own,\n"
         "A/A = gloo's own / gloo's own again. Sizes are the full tensor. fully_shard's\n"
-        'default (`CollectiveAlgorithms()`, `"auto"`) exchanges for reduce-scatter and\n'
-        "all-gather; all-reduce stays gloo's own (opt-in exchange), see\n"
+        'default (`CollectiveAlgorithms()`, `"auto"`) exchanges for reduce-scatter, and for\n'
+        "all-gathers from 1 MiB or above world 2; all-reduce stays gloo's own (opt-in\n"
+        "exchange), see "
         "[bench_profile.md](bench_profile.md). NCCL is never replaced.\n"
     ),
     "precompile": (
