@@ -57,7 +57,9 @@ def _forge(path: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> 
     if edit is not None:
         edit(header["key"])
     header.pop("sections")
-    return _artifact.encode(header, {"artifact": pickle.dumps(Boom())}, key)
+    # torch's own header in front, so that torch's loader does reach the pickle.
+    payload = _torch_aot.payload_header() + pickle.dumps(Boom())
+    return _artifact.encode(header, {"artifact": payload}, key)
 
 
 def _set(*path: str, value: Any) -> Callable[[dict[str, Any]], None]:

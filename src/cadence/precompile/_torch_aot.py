@@ -25,16 +25,21 @@ a rank ``aot_compile`` itself fails while pickling the guards. Two paths therefo
   is what later torch releases improve upstream.
 
 Which torch versions take which path: the ``"cadence"`` path needs the internals to have
-the shape they have in torch 2.13 (the field names of ``CompileArtifacts`` and
+one of the two shapes it knows (the field names of ``CompileArtifacts`` and
 ``GraphRuntimeEnv``, ``serialize_guards`` calling the module-level ``pickle_guards_state``
-and ``raise_local_type_error``, the ``GuardsStatePickler`` constructor). `_feature_test`
-checks exactly that at import. torch 2.13.* passes (verified). torch 2.14 and 2.15 take
-the ``"cadence"`` path only if they still pass; the upstream refactor that moves both
-picklers onto a shared base changes the ``GuardsStatePickler`` constructor and the
-guard-pickling function, fails the test, and so selects ``"torch"``, whose own pickler
-is the hardened one there. Older releases, whose ``serialize`` returned bytes and whose
-pickler took only a buffer, also take ``"torch"``. Setting
-``CADENCE_PRECOMPILE_SERIALIZER=torch`` forces the fallback (for comparisons).
+and ``raise_local_type_error``, the ``GuardsStatePickler`` constructor of torch 2.13 or
+of torch 2.15). `_feature_test` checks exactly that at import; torch 2.13, 2.14 and 2.15
+pass (each verified by the precompile tests). What torch 2.15 changed, and what the
+path does about it: its guard pickler takes the containers an EQUALS_MATCH guard reads
+whole (passed on), swaps pruned lists and dicts for a persistent id that its unpickler
+turns back into ``_Missing`` (delegated to torch's pickler), keeps constants the
+compiler shares out of the pruned set (torch's rule used), and its loader checks a
+magic header before the pickle (written by `payload_header`); its artifacts record an
+inlined frame's unnamed scope, live builtins dict included (swapped for torch's stand-in,
+as torch's own ``serialize`` does). Any other shape selects
+``"torch"``, as do older releases, whose ``serialize`` returned bytes and whose pickler
+took only a buffer. Setting ``CADENCE_PRECOMPILE_SERIALIZER=torch`` forces the fallback
+(for comparisons).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ __all__ = [
     "guard_failures",
     "guard_ok",
     "inductor_cache_dir",
+    "payload_header",
     "prepare",
     "runtime_captures",
     "serialize",
@@ -92,6 +98,20 @@ _ARTIFACT_FIELDS = {
     "system_info",
 }
 _RUNTIME_ENV_FIELDS = {"bytecode", "closure", "used_globals", "argdefs", "kwdefaults"}
+# The guard pickler's constructor after ``self``: torch 2.13's, then torch 2.15's (which
+# also takes the tuples an EQUALS_MATCH guard reads whole, and rebases both picklers on
+# ``FunctionPicklerBase``). Any other shape selects the ``"torch"`` path.
+_GUARDS_PICKLER_INITS = (
+    ["guard_tree_values", "empty_values", "missing_values", "args", "kwargs"],
+    [
+        "guard_tree_values",
+        "empty_values",
+        "missing_values",
+        "value_guarded_containers",
+        "args",
+        "kwargs",
+    ],
+)
 
 
 def _feature_test() -> str | None:
@@ -114,8 +134,13 @@ def _feature_test() -> str | None:
         if list(inspect.signature(guards.pickle_guards_state).parameters) != ["state", "builder"]:
             return "pickle_guards_state(state, builder) changed its signature"
         init = list(inspect.signature(guards.GuardsStatePickler.__init__).parameters)
-        if init[1:4] != ["guard_tree_values", "empty_values", "missing_values"]:
+        if init[1:] not in _GUARDS_PICKLER_INITS:
             return f"GuardsStatePickler.__init__{tuple(init)} changed"
+        magic = getattr(aot_mod, "_AOT_COMPILE_MAGIC", None)
+        if magic is not None and not isinstance(
+            getattr(aot_mod, "_AOT_COMPILE_FORMAT_VERSION", None), int
+        ):
+            return "the artifact header (_AOT_COMPILE_MAGIC) has no format version"
         names = guards.CheckFunctionManager.serialize_guards.__code__.co_names
         if "pickle_guards_state" not in names or "raise_local_type_error" not in names:
             return "serialize_guards no longer calls the module-level guard pickler"
@@ -211,8 +236,15 @@ class _GuardsPickler(_ArtifactPickler):
     """torch's guard reducers first, cadence for what they leave to default pickling."""
 
     def __init__(self, torch_pickler: Any, file: Any) -> None:
-        super().__init__(file)
+        # torch 2.15 swaps pruned mutable containers for a persistent id (the C pickler
+        # saves an exact list or dict by type, before ``reducer_override``), and its
+        # guards unpickler turns that id back into ``_Missing``. torch 2.13's pickler has
+        # no such hook. Set before the C pickler's __init__, which looks it up there.
+        own_id = getattr(torch_pickler, "persistent_id", None)
+        if own_id is not None:
+            self.persistent_id = own_id
         self._torch = torch_pickler
+        super().__init__(file)
 
     def reducer_override(self, obj: Any) -> Any:
         from torch._dynamo.exc import PackageError
@@ -266,6 +298,9 @@ def _pickle_guards_state(state: Any, builder: Any) -> bytes:
     tree_values = builder.guard_tree_values
     empty_values: dict[int, Any] = {}
     missing_values: dict[int, Any] = {}
+    # torch 2.15 keeps constants the compiler shares across a module (a folded tuple
+    # may also sit in a guarded ``__defaults__``) out of the pruned set; 2.13 has no rule.
+    shared_constant = getattr(guards, "_is_shared_constant", lambda _value: False)
     for leaf in pytree.tree_leaves(state.output_graph.local_scope):
         if inspect.ismethod(leaf):
             base = leaf.__self__
@@ -275,14 +310,18 @@ def _pickle_guards_state(state: Any, builder: Any) -> bytes:
                 except Exception:
                     continue
                 empty_values[id(base)] = base
-        elif id(leaf) not in tree_values:
+        elif id(leaf) not in tree_values and not shared_constant(leaf):
             missing_values[id(leaf)] = leaf
     entries = [guards.make_guard_filter_entry(g, builder) for g in state.output_graph.guards]
     if all(torch.compiler.keep_portable_guards_unsafe(entries)):
         state.output_graph.guard_on_key_order = set()
         state.output_graph.global_scope = {}
+    # torch 2.15's constructor also takes the containers an EQUALS_MATCH reads whole
+    # (see _GUARDS_PICKLER_INITS); the feature test admitted exactly these two shapes.
+    whole = getattr(builder, "value_guarded_containers", None)
+    extra = () if whole is None else (whole,)
     torch_pickler = guards.GuardsStatePickler(
-        tree_values, empty_values, missing_values, io.BytesIO()
+        tree_values, empty_values, missing_values, *extra, io.BytesIO()
     )
     buf = io.BytesIO()
     try:
@@ -320,13 +359,24 @@ def _serialize_cadence(aot: Any) -> bytes:
     is never read at load, it leaks the user's script and it is most of the bytes, so
     only the module names, line ranges and checksums are kept.
     """
+    from torch._dynamo import aot_compile as aot_mod
     from torch._dynamo.package import SerializedCode
 
     state = dict(aot._artifacts.__dict__)
     state["guard_manager"] = None
     env = state["runtime_env"]
+    used_globals = env.used_globals
+    unnamed = getattr(aot_mod, "_picklable_unnamed_scope", None)
+    if unnamed is not None and used_globals:
+        # torch 2.15 records an inlined frame's unnamed scope whole, live builtins dict
+        # included; its stand-in loads as the live dict (see torch's serialize).
+        prefix = getattr(aot_mod, "_UNNAMED_SCOPE_PREFIX", "___unnamed_scope")
+        used_globals = {
+            name: unnamed(value) if name.startswith(prefix) and isinstance(value, dict) else value
+            for name, value in used_globals.items()
+        }
     state["runtime_env"] = dataclasses.replace(
-        env, bytecode=SerializedCode.from_code_object(env.bytecode)
+        env, bytecode=SerializedCode.from_code_object(env.bytecode), used_globals=used_globals
     )
     compiled = state["compiled_fn"]
     state["compiled_fn"] = (
@@ -341,8 +391,23 @@ def _serialize_cadence(aot: Any) -> bytes:
             inlined_sources={dataclasses.replace(s, content="") for s in info.inlined_sources},
         )
     buf = io.BytesIO()
+    buf.write(payload_header())
     _ArtifactPickler(buf).dump(state)
     return buf.getvalue()
+
+
+def payload_header() -> bytes:
+    """The bytes torch's loader expects before the pickle of an artifact.
+
+    torch 2.15 checks a magic string and a format version outside the pickle, before
+    unpickling anything; torch 2.13's payload is the bare pickle.
+    """
+    from torch._dynamo import aot_compile as aot_mod
+
+    magic = getattr(aot_mod, "_AOT_COMPILE_MAGIC", None)
+    if magic is None:
+        return b""
+    return bytes(magic) + bytes([aot_mod._AOT_COMPILE_FORMAT_VERSION])
 
 
 # ---------------------------------------------------------------------------------------
