@@ -1,4 +1,11 @@
-"""`cadence.gradient_timing`: the shared timing verbs drive torch's DDP and FSDP2 (torch 2.13)."""
+"""`cadence.gradient_timing`: the shared timing verbs drive torch's DDP and FSDP2.
+
+A specification on every supported torch. Where torch has caller-side finalization
+(``finalize_backward``; torch 2.15) the adapter uses it; where it has not (torch
+2.13) the adapter keeps each verb's meaning with what torch offers and refuses the
+rest. Behaviours that differ are separate tests, each selected by that capability,
+read from torch itself; see [Note: driving torch's wrappers with the timing verbs].
+"""
 
 from __future__ import annotations
 
@@ -7,29 +14,135 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
-from tests.foundation.bodies_torch_timing import torch_timing_body
+from tests.foundation.bodies_torch_timing import (
+    TORCH_DDP_FINALIZES,
+    TORCH_FSDP2_FINALIZES,
+    torch_timing_body,
+)
+
+fsdp2_finalizes = pytest.mark.skipif(
+    not TORCH_FSDP2_FINALIZES, reason="this torch's FSDP2 has no finalize_backward"
+)
+fsdp2_lacks_finalize = pytest.mark.skipif(
+    TORCH_FSDP2_FINALIZES, reason="this torch's FSDP2 has finalize_backward"
+)
+ddp_finalizes = pytest.mark.skipif(
+    not TORCH_DDP_FINALIZES, reason="this torch's DDP has no finalize_backward"
+)
+ddp_lacks_finalize = pytest.mark.skipif(
+    TORCH_DDP_FINALIZES, reason="this torch's DDP has finalize_backward"
+)
 
 
 @pytest.fixture(scope="module")
 def r() -> dict[str, Any]:
-    return run_distributed(torch_timing_body, world_size=2, timeout=120)[0]
+    return run_distributed(torch_timing_body, world_size=2, timeout=180)[0]
 
 
-def test_fsdp2_driven_by_the_verbs(r: dict[str, Any]) -> None:
-    f = r["fsdp2"]
-    assert f["is_timing"]
-    # The flag set after forward still governs the backward: 4 units reduce on the
-    # last microbatch only, and training matches single-process training.
-    assert f["rs_per_micro"] == [0, 4, 0, 4], f
+def _refused(outcome: str, *fragments: str) -> None:
+    """A cadence error (not torch's escaping) whose message names every fragment."""
+    assert outcome.startswith("refused: "), outcome
+    for fragment in fragments:
+        assert fragment in outcome, (fragment, outcome)
+
+
+def test_adapters_detect_torch_finalization(r: dict[str, Any]) -> None:
+    assert r["fsdp2"]["flags"]["is_timing"]
+    assert r["fsdp2"]["flags"]["native"] is TORCH_FSDP2_FINALIZES
+    assert r["ddp"]["native"] is TORCH_DDP_FINALIZES
+
+
+# -- FSDP2 ---------------------------------------------------------------------
+
+
+def test_fsdp2_sync_flag_set_after_forward_governs_that_backward(r: dict[str, Any]) -> None:
+    f = r["fsdp2"]["flags"]
+    # Per step: [micro 0 backward (sync off), micro 1 backward (sync on), finalize].
+    # The no-sync backward reduces nothing; the 4 units reduce once per step.
+    assert all(step[0] == 0 and sum(step) == 4 for step in f["rs"]), f
     assert f["parity"] < 1e-5, f
 
 
-def test_deferred_reduction_refused_on_torch_2_13(r: dict[str, Any]) -> None:
-    assert r["fsdp2"]["deferred"] == "ok", r["fsdp2"]["deferred"]
-    assert r["fsdp2"]["deferred_step"] == "ok", r["fsdp2"]["deferred_step"]
+@fsdp2_lacks_finalize
+def test_fsdp2_reductions_finished_by_torch_at_end_of_backward(r: dict[str, Any]) -> None:
+    f = r["fsdp2"]["flags"]
+    # torch finalized the syncing backward itself: finalize has nothing left.
+    assert f["rs"] == [[0, 4, 0], [0, 4, 0]], f
+    assert f["pending_at_return"] == [False, False], f
 
 
-def test_ddp_driven_by_the_verbs(r: dict[str, Any]) -> None:
+@fsdp2_finalizes
+def test_fsdp2_manual_finalize_is_torchs_and_its_handle_pending_until_waited(
+    r: dict[str, Any],
+) -> None:
+    f = r["fsdp2"]["flags"]
+    # In torch's manual mode the units whose post-backward hook does not fire in
+    # backward (the first block and the root: their inputs need no gradient) reduce
+    # at finalize; the other two during the syncing backward.
+    assert f["rs"] == [[0, 2, 2], [0, 2, 2]], f
+    assert f["pending_at_return"] == [True, True], f
+    assert f["done_after_wait"] == [True, True], f
+
+
+@fsdp2_lacks_finalize
+def test_fsdp2_deferred_reduction_refused_with_the_fix(r: dict[str, Any]) -> None:
+    d = r["fsdp2"]["deferred"]
+    _refused(d["finalize_0"], "accumulated with sync off", "before the last backward")
+    _refused(d["step_refused"], "never reduced", "run the last backward with sync on")
+    assert d["rs"] == [[0, 0]], d  # nothing issued before the refusal
+
+
+@fsdp2_finalizes
+def test_fsdp2_deferred_reduction_runs_at_finalize(r: dict[str, Any]) -> None:
+    d = r["fsdp2"]["deferred"]
+    assert [d[f"finalize_{step}"] for step in range(3)] == ["ok"] * 3, d
+    # Every step: no collective in the no-sync backwards, the 4 reduce-scatters at
+    # finalize (manual mode async; automatic mode blocking, then async), none at wait.
+    assert d["rs"] == [[0, 4]] * 3, d
+    assert d["rs_at_wait"] == 0 and d["auto_async_done"] is True, d
+    assert d["parity"] < 1e-5, d
+
+
+@fsdp2_finalizes
+def test_fsdp2_async_deferred_reduction_pending_until_waited(r: dict[str, Any]) -> None:
+    d = r["fsdp2"]["deferred"]
+    p = d["pending"]
+    assert p["done"] is False and p["is_completed"] is False, p
+    _refused(p["forward"], "has not been waited", "handle.wait()")
+    _refused(p["step"], "has not been waited")
+    _refused(p["finalize_again"], "before the previous handle was waited")
+    assert d["done_after_wait"] is True, d
+
+
+@pytest.mark.parametrize("mode", ["manual", "auto"])
+def test_fsdp2_finalize_with_nothing_pending_issues_nothing(r: dict[str, Any], mode: str) -> None:
+    n = r["fsdp2"]["nothing_pending"][mode]
+    assert n["outcome"] == "ok", n  # torch's "requires manual finalization" does not escape
+    assert n["blocking"] is None and n["async_done"] is True, n
+    assert n["rs"] == 0, n
+
+
+def test_fsdp2_finalize_with_sync_off_reduces_nothing_and_ends_the_backward(
+    r: dict[str, Any],
+) -> None:
+    n = r["fsdp2"]["nothing_pending"]["sync_off"]
+    assert n["finalize"] == "ok" and n["rs"] == 0, n
+    assert n["mode_change"] == "ok", n  # torch no longer holds the manual mode
+
+
+@pytest.mark.parametrize("mode", ["manual", "auto"])
+def test_fsdp2_finalize_inside_backward_refused_with_the_fix(r: dict[str, Any], mode: str) -> None:
+    i = r["fsdp2"]["inside_backward"][mode]
+    # torch's FSDP2 finalizes only after backward completes (and in automatic mode
+    # only at its end), so a hook cannot be handed reduced gradients.
+    _refused(i["in_hook"], "inside backward", "after backward returns", "cadence.fully_shard")
+    assert i["after_backward"] == "ok", i
+
+
+# -- DDP -----------------------------------------------------------------------
+
+
+def test_ddp_sync_decided_when_backward_starts(r: dict[str, Any]) -> None:
     d = r["ddp"]
     assert d["ours_is_itself"]
     assert d["ddp_all_reduces"] == 1, d  # one bucket, synced on the last microbatch only
@@ -38,6 +151,89 @@ def test_ddp_driven_by_the_verbs(r: dict[str, Any]) -> None:
     assert d["on_after_forward_all_reduces"] == 1, d
     assert d["no_sync_all_reduces"] == 0 and d["flag_restored"] is True, d
     assert d["flip_after_forward"] == "ok", d["flip_after_forward"]
+
+
+def test_ddp_automatic_mode_finalize_has_nothing_left(r: dict[str, Any]) -> None:
+    d = r["ddp"]
+    # torch DDP and cadence.DataParallel alike: blocking and async finalize succeed.
+    assert d["auto_finalize"] == ["ok"] * 4, d["auto_finalize"]
+    assert d["auto_finalize_returned"] == [None, True], d
+    assert d["auto_finalize_all_reduces"] == 0, d
+
+
+def test_ddp_automatic_mode_finalize_inside_backward_refused(r: dict[str, Any]) -> None:
+    outcome = r["ddp"]["auto_inside_backward"]
+    _refused(outcome, "inside backward", "after backward returns", "cadence.DataParallel")
+
+
+@ddp_lacks_finalize
+def test_ddp_manual_mode_finished_by_torch_at_end_of_backward(r: dict[str, Any]) -> None:
+    m = r["ddp"]["manual"]
+    assert m["backward_all_reduces"] == 1, m
+    assert m["grad_vs_reduced_after_backward"] < 1e-6, m  # already reduced
+    assert m["should_finalize_0"] is False and m["should_finalize_1"] is False, m
+    assert m["finalize"] == "ok" and m["pending"]["done"] is True, m
+    assert m["all_reduces_at_wait"] == 0 and m["parity_after_wait"] < 1e-6, m
+
+
+@ddp_finalizes
+def test_ddp_manual_finalize_writes_grads_at_wait(r: dict[str, Any]) -> None:
+    m = r["ddp"]["manual"]
+    assert m["should_finalize_0"] is False and m["should_finalize_1"] is True, m
+    # The all-reduce launched in backward; .grad keeps the local gradients until
+    # the handle's wait runs torch's finalize, which issues nothing more.
+    assert m["backward_all_reduces"] == 1, m
+    assert m["grad_vs_reduced_after_backward"] > 1e-3, m
+    assert m["finalize"] == "ok", m
+    assert m["all_reduces_at_wait"] == 0, m
+    assert m["parity_after_wait"] < 1e-6, m
+    assert m["second_finalize"] == "ok", m  # torch's "nothing to finalize" does not escape
+
+
+@ddp_finalizes
+def test_ddp_async_finalize_pending_until_waited(r: dict[str, Any]) -> None:
+    m = r["ddp"]["manual"]
+    p = m["pending"]
+    assert p["done"] is False and p["is_completed"] is False, p
+    _refused(p["forward"], "has not been waited", "handle.wait()")
+    _refused(p["step"], "has not been waited")
+    _refused(p["finalize_again"], "before the previous handle was waited")
+    assert m["done_after_wait"] is True, m
+
+
+@ddp_finalizes
+def test_ddp_manual_finalize_inside_backward_once_the_bucket_is_ready(r: dict[str, Any]) -> None:
+    m = r["ddp"]["manual"]
+    assert m["inside_backward"] == "ok", m
+    assert m["inside_backward_all_reduces"] == 1, m
+    assert m["after_inside_backward"] == "ok", m  # nothing left for the caller
+
+
+@ddp_finalizes
+def test_ddp_manual_finalize_inside_backward_too_early_refused(r: dict[str, Any]) -> None:
+    m = r["ddp"]["manual"]
+    # torch's own check (the bucket is not ready yet), as a cadence error.
+    _refused(m["too_early"], "inside backward", "torch refused it", "after backward returns")
+    assert m["after_too_early"] == "ok", m
+
+
+@ddp_lacks_finalize
+def test_ddp_manual_finalize_inside_backward_refused_without_torch_finalization(
+    r: dict[str, Any],
+) -> None:
+    m = r["ddp"]["manual"]
+    for case in ("inside_backward", "too_early"):
+        _refused(m[case], "inside backward", "after backward returns", "cadence.DataParallel")
+    assert m["after_inside_backward"] == "ok" and m["after_too_early"] == "ok", m
+
+
+@pytest.mark.parametrize("mode", ["manual", "auto"])
+def test_ddp_deferred_reduction_refused_with_the_fix(r: dict[str, Any], mode: str) -> None:
+    d = r["ddp"]["deferred"][mode]
+    # DDP reduces only from a backward's hooks, on every torch.
+    _refused(d["finalize"], "accumulated with sync off", "before the last backward")
+    _refused(d["step"], "never reduced", "run the last backward with sync on")
+    assert d["all_reduces"] == 0, d
 
 
 def test_split_backward_refused_for_torch_wrappers(r: dict[str, Any]) -> None:
