@@ -180,21 +180,49 @@ def complete_comms(sched: Schedule) -> Schedule:
     rank. This adds them as cadence's own lowering does: a LOCAL right after each
     same-rank producer, ``channel = (src_rank, dst_rank)`` on every SEND and RECV,
     and per-channel sequence numbers in the sender's program order (a RECV takes
-    the number of the SEND it matches). torch's REDUCE_GRAD blocks, so each gets
-    its WAIT_REDUCE_GRAD right after it. The result is then validated and
-    simulated like any lowered schedule: a torch list whose receives are out of
-    FIFO order is refused, not run (see [Note: receives in FIFO order]).
+    the number of the SEND it matches). Reduction waits follow [Note: torch's
+    reduction waits]; torch 2.15's WAIT_SEND_F/B are cadence's WAIT_SEND
+    and stay where torch put them. Every action of torch's list keeps its place; the
+    completion only adds. The result is then validated and simulated like any
+    lowered schedule: a torch list whose receives are out of FIFO order is
+    refused, not run (see [Note: receives in FIFO order]).
+
+    [Note: torch's reduction waits]
+    torch 2.13 lowers a stage's data-parallel reduction as one blocking
+    REDUCE_GRAD and has no wait action, so completion gives each REDUCE_GRAD its
+    WAIT_REDUCE_GRAD right after it: the same timing, in cadence's issue + wait
+    form. torch 2.15 splits it as cadence does: REDUCE_GRAD starts the reduction
+    (FSDP: ``start_gradient_reduction``) and WAIT_REDUCE_GRAD(stage) waits for it
+    (``wait_for_gradient_reduction``), placed by ``_add_reduce_grad`` right after
+    its REDUCE_GRAD (the default; RECVs lowered later may land between them) or,
+    with ``defer_reduce_grad_wait=True``, just before the rank's next REDUCE_GRAD
+    or at the end of its list (at most one in flight). That is exactly cadence's
+    WAIT_REDUCE_GRAD (see [Note: deferred gradient reduction] in
+    ``dp_passes.py``), so it is imported as one, where torch put it. (torch still
+    reduces a non-FSDP stage synchronously at REDUCE_GRAD and does nothing at its
+    wait; cadence issues every wrapper's reduction at REDUCE_GRAD and waits at the
+    wait, and no action between the two reads the reduced gradients.) Which form a
+    list is in is read from the list itself, not from the installed torch (a CSV
+    may come from another version): one with any WAIT_REDUCE_GRAD carries all its
+    waits (a REDUCE_GRAD left without one is then an error that `validate_lowered`
+    names), one without any is the blocking form. Adding a wait to a list that has
+    its own would wait twice, which the validator refuses as a duplicate.
     """
     for r, acts in enumerate(sched.ranks):
         for a in acts:
-            if a.kind in (K.LOCAL, K.WAIT_REDUCE_GRAD) or (
-                a.kind in (K.SEND, K.RECV) and a.seq is not None
+            # LOCAL and channel/seq numbers are what this pass adds; a list that
+            # has them was completed (or lowered by cadence) already. Reduction
+            # waits are not among them: torch 2.15 emits its own.
+            if a.kind is K.LOCAL or (
+                a.kind in (K.SEND, K.RECV) and (a.seq is not None or a.channel is not None)
             ):
                 raise ScheduleValidationError(
-                    f"rank {r}: {a} already has cadence's fields (LOCAL or #seq); "
+                    f"rank {r}: {a} already has cadence's fields (LOCAL, channel or #seq); "
                     "complete_comms takes torch's lowered format, and a cadence lowered "
                     "schedule needs no completion"
                 )
+    # See [Note: torch's reduction waits].
+    blocking_reduce = not any(a.kind is K.WAIT_REDUCE_GRAD for acts in sched.ranks for a in acts)
     n, place = sched.num_stages, sched.placement
     seq: Counter[Channel] = Counter()
     numbered: dict[tuple, tuple[Channel, int]] = {}
@@ -208,8 +236,8 @@ def complete_comms(sched: Schedule) -> Schedule:
                 a = replace(a, channel=ch, seq=seq[ch])
                 seq[ch] += 1
             row.append(a)
-            if a.kind is K.REDUCE_GRAD:
-                # torch's REDUCE_GRAD blocks until the reduction is done: issue + wait.
+            if a.kind is K.REDUCE_GRAD and blocking_reduce:
+                # torch 2.13's REDUCE_GRAD blocks until the reduction is done.
                 row.append(Action(K.WAIT_REDUCE_GRAD, a.stage))
             for src, dst, payload, mb in outputs_of(a, n) if a.is_compute else ():
                 if place[dst] == r:
