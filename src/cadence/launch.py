@@ -47,6 +47,9 @@ class RankFailure:
     exc_type: str | None
     message: str
     traceback: str
+    # The rank's process id, to match it with system logs or a core dump (the process
+    # is gone by the time the error is raised).
+    pid: int | None = None
 
 
 class LaunchError(CadenceRuntimeError):
@@ -176,11 +179,17 @@ def _failure_of(rank: int, proc: subprocess.Popen[bytes], work: Path) -> RankFai
     if err.exists():
         info = pickle.loads(err.read_bytes())
         return RankFailure(
-            rank, "raised", proc.returncode, info["type"], info["message"], info["traceback"]
+            rank,
+            "raised",
+            proc.returncode,
+            info["type"],
+            info["message"],
+            info["traceback"],
+            proc.pid,
         )
     code = proc.returncode
     why = f"killed by signal {-code}" if code is not None and code < 0 else "os._exit or a crash"
-    return RankFailure(rank, "exited", code, None, why, "")
+    return RankFailure(rank, "exited", code, None, why, "", proc.pid)
 
 
 def _failed_at(work: Path, rank: int) -> float:
@@ -238,7 +247,7 @@ def _supervise(procs: list[subprocess.Popen[bytes]], work: Path, timeout: float)
             others = [
                 _failure_of(r, p, work)
                 if (work / f"error.{r}").exists()
-                else RankFailure(r, "stopped by the launcher", p.returncode, None, "", "")
+                else RankFailure(r, "stopped by the launcher", p.returncode, None, "", "", p.pid)
                 for r, p in enumerate(procs)
                 if r != first_rank and p.returncode not in (0, None)
             ]
@@ -249,7 +258,8 @@ def _supervise(procs: list[subprocess.Popen[bytes]], work: Path, timeout: float)
         if time.monotonic() > deadline:
             _stop_all(procs)
             failures = [
-                RankFailure(r, "timeout", None, None, f"{timeout:.0f}s", "") for r in running
+                RankFailure(r, "timeout", None, None, f"{timeout:.0f}s", "", procs[r].pid)
+                for r in running
             ]
             raise LaunchError(failures[0], failures[1:])
         time.sleep(_POLL_S)
