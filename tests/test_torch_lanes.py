@@ -1,0 +1,67 @@
+"""The supported torch range, the CI lanes and the pins say the same thing.
+
+torch 2.15 is the primary target (constraints.txt, `./dev train`, the benchmarks page)
+and 2.13 the oldest supported release (constraints-torch2.13.txt); pyproject.toml
+declares the range between them, and the suite runs on whichever lane's venv runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from cadence.bench.report import PRIMARY_TORCH
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torch_pin(path: Path) -> str:
+    pins = [m.group(1) for m in re.finditer(r"^torch==(\S+)$", path.read_text(), re.M)]
+    assert len(pins) == 1, f"{path.name} must pin torch exactly once, found {pins}"
+    return pins[0]
+
+
+def _release(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def test_the_primary_lane_pins_the_release_the_benchmarks_page_shows() -> None:
+    assert _release(_torch_pin(ROOT / "constraints.txt")) == PRIMARY_TORCH == "2.15"
+
+
+def test_the_declared_range_spans_exactly_the_tested_lanes() -> None:
+    oldest = _release(_torch_pin(ROOT / "constraints-torch2.13.txt"))
+    declared = re.search(r'"torch>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert declared is not None, "pyproject.toml must declare torch>=OLDEST,<NEXT"
+    low, high = declared.groups()
+    assert low == oldest == "2.13"
+    major, minor = PRIMARY_TORCH.split(".")
+    assert high == f"{major}.{int(minor) + 1}", "the upper bound admits the primary release"
+
+
+def test_the_oldest_lane_differs_from_the_primary_only_in_torch() -> None:
+    # ./dev builds the oldest lane's pins from constraints.txt with the torch line
+    # replaced, so a lane file that pinned anything else would be ignored silently.
+    lines = [
+        line
+        for line in (ROOT / "constraints-torch2.13.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert lines == ["torch==2.13.0"]
+
+
+def test_this_run_is_on_a_supported_torch() -> None:
+    assert _release(torch.__version__) in {"2.13", "2.14", "2.15"}, torch.__version__
+
+
+def test_a_lane_runs_the_torch_it_names() -> None:
+    # ./dev test sets CADENCE_TORCH_LANE for each lane: a venv that drifted from its
+    # pins (a reused .venv, a site-wide pip cap) would otherwise pass as the other lane.
+    lane = os.environ.get("CADENCE_TORCH_LANE")
+    if lane is None:
+        pytest.skip("not run through ./dev test (no CADENCE_TORCH_LANE)")
+    assert _release(torch.__version__) == lane, (torch.__version__, lane)
