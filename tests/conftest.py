@@ -1,10 +1,82 @@
-"""Shared pytest setup: tests import their rank bodies as ``tests.<area>._bodies``."""
+"""Shared pytest setup: tests import their rank bodies as ``tests.<area>._bodies``.
+
+[Note: torch-free tests run once across torch lanes]
+``./dev test`` runs the suite on every torch lane (docs/torch-versions.md). A test
+module that needs no torch at all says so with ``pytestmark = pytest.mark.torch_free``
+(or a list holding it). The first lane runs those modules in their own pytest process
+with ``--torch-free=only``, where any import of torch raises: a module marked wrongly
+fails there rather than passing silently on one lane only. Every lane then runs the
+rest with ``--torch-free=skip``. Without the option, everything runs.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+class _NoTorch:
+    """A meta-path finder under which ``import torch`` (and any submodule) fails."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(
+                f"{name}: this test module is marked torch_free (--torch-free=only), "
+                "so it may not import torch; drop the mark if it needs torch"
+            )
+        return None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--torch-free",
+        choices=("only", "skip"),
+        default=None,
+        help="only: run just the modules marked torch_free, with torch unimportable; "
+        "skip: run everything else (see [Note: torch-free tests run once across torch lanes])",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "torch_free: the module needs no torch; run once, not on every torch lane"
+    )
+    if config.getoption("--torch-free") == "only":
+        if any(m == "torch" or m.startswith("torch.") for m in sys.modules):
+            raise pytest.UsageError("--torch-free=only: torch was imported before the tests")
+        sys.meta_path.insert(0, _NoTorch())
+
+
+def _declares_torch_free(path: Path) -> bool:
+    return "pytest.mark.torch_free" in path.read_text(encoding="utf-8")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # Under --torch-free=only a module (or a folder's conftest.py) that imports torch
+    # would fail to import, so only modules that declare the mark in their source, and
+    # the folders holding them, are collected at all.
+    if config.getoption("--torch-free") != "only":
+        return None
+    if collection_path.is_dir():
+        return not any(_declares_torch_free(p) for p in collection_path.rglob("test_*.py"))
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return not _declares_torch_free(collection_path)
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mode = config.getoption("--torch-free")
+    if mode is None:
+        return
+    keep = mode == "only"
+    selected = [i for i in items if (i.get_closest_marker("torch_free") is not None) == keep]
+    deselected = [i for i in items if i not in selected]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected

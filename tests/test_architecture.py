@@ -18,6 +18,11 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 MAX_LINES = 600

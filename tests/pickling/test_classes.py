@@ -21,6 +21,9 @@ from cadence import pickling
 from tests.pickling._harness import fresh_tracker, rt, rt_rebuilt
 from tests.pickling.fixtures import fx_typing
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 
 # Class bodies ------------------------------------------------------------------------------
 def test_local_class_with_super_docstring_and_nested_references(protocol):

@@ -17,6 +17,9 @@ import pytest
 from cadence import pickling
 from tests.pickling._harness import PROTOCOLS, ROOT, run_python
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 SEEDS = ["0", "1", "2", "3", "random"]
 
 _DIGESTS = f"""

@@ -11,6 +11,9 @@ import pytest
 from cadence import pickling
 from cadence.errors import CadenceError
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 
 class RaiserOnPickle:
     def __init__(self, exc):

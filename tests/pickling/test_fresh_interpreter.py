@@ -12,9 +12,14 @@ import functools
 import json
 import xml.etree.ElementTree
 
+import pytest
+
 from cadence import pickling
 from tests.pickling._harness import ROOT, load_in_child, run_python
 from tests.pickling.fixtures import fx_model
+
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
 
 
 def _make_closures():

@@ -21,6 +21,9 @@ from cadence import pickling
 from tests.pickling._harness import rt, rt_rebuilt
 from tests.pickling.fixtures import fx_decorators, fx_model, fx_relative, fx_shared
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 _GLOBAL = "default_value"
 
 

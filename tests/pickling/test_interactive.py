@@ -16,6 +16,9 @@ import pytest
 
 from tests.pickling._harness import run_script
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 DRIVER = Path(__file__).with_name("_interactive_driver.py")
 SECTIONS = [
     "interactive_functions_and_classes",

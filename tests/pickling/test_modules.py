@@ -13,6 +13,9 @@ from cadence import pickling
 from tests.pickling._harness import ROOT, load_in_child, rt
 from tests.pickling.fixtures import fx_local_only, fx_shared
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 
 def _dynamic_module(name="mod"):
     mod = types.ModuleType(name)

@@ -25,6 +25,9 @@ from cadence.pickling import _signed
 from tests.pickling._harness import fresh_tracker
 from tests.pickling.old_pickles.generate import SIGNING_KEY
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 OLD = Path(__file__).with_name("old_pickles")
 HERE = f"{sys.implementation.name}_{sys.version_info[0]}{sys.version_info[1]}"
 PAYLOADS = sorted(OLD.glob("*/*.pkl"))

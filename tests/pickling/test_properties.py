@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from cadence import pickling
 from tests.pickling._harness import PROTOCOLS
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 # Hypothesis and function-scoped fixtures do not mix: the protocols are a parametrization.
 per_protocol = pytest.mark.parametrize("protocol", PROTOCOLS, ids=[f"p{p}" for p in PROTOCOLS])
 

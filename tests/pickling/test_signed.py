@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from cadence import pickling
 from cadence.pickling import _signed
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 KEY = b"k" * 32
 
 

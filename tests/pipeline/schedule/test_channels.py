@@ -20,6 +20,9 @@ from cadence.pipeline.schedule import (
     plan_rounds,
 )
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 LOOP_ROUNDS = (((0, 1), (2, 3)), ((1, 0), (3, 2)), ((0, 3), (1, 2)), ((3, 0), (2, 1)))
 
 

@@ -19,6 +19,9 @@ from cadence.pipeline.schedule import (
     verify,
 )
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 K = ActionKind
 
 

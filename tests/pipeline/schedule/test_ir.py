@@ -15,6 +15,9 @@ from cadence.pipeline.schedule import (
     parse_action,
 )
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 
 @pytest.mark.parametrize(
     "text",

@@ -23,6 +23,9 @@ from cadence.pipeline.schedule import (
     verify,
 )
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 GRID = [(p, k * p) for p in (2, 4, 8) for k in (1, 2, 4)]
 
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 ROOT = Path(__file__).resolve().parents[3]
 
 # Installed first in the child: any import of torch (or a torch submodule) fails.

@@ -16,6 +16,9 @@ from cadence.pipeline.schedule import (
     validate_lowered,
 )
 
+# No torch here: run once, not on every torch lane (see tests/conftest.py).
+pytestmark = pytest.mark.torch_free
+
 
 def _sched(rows, placement=None, m=None) -> Schedule:
     return Schedule.from_lists(rows, placement, m=m)
