@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cadence.bench import run_bench, write_docs
-from cadence.bench.report import latest_records, render
+from cadence.bench.report import PRIMARY_TORCH, history, latest_records, render, torch_release
 from cadence.cli import build_parser, main
 from cadence.errors import CadenceValueError
 
@@ -138,3 +138,38 @@ def test_cli_refuses_options_that_do_not_apply(tmp_path: Path) -> None:
     with pytest.raises(CadenceValueError, match="--docs applies to 'cadence bench report' only"):
         main(["bench", "dp", "--docs", str(tmp_path / "x.md"), "--results", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
+
+
+def test_records_on_the_primary_torch_win_and_older_ones_are_history(tmp_path: Path) -> None:
+    def write(name: str, torch: str, created: str) -> None:
+        record = {
+            "version": 1,
+            "kind": "dp",
+            "quick": False,
+            "tiny": False,
+            "created": created,
+            "machine": {"cpu_count": 2, "loadavg": [1, 1, 1], "loadavg_before": [1, 1, 1]},
+            "settings": {},
+            "rows": [
+                {
+                    "case": "mlp",
+                    "metric": "step time",
+                    "target": 0.95,
+                    "ratio": dict.fromkeys(
+                        SUMMARY_KEYS, 0.5 if torch.startswith(PRIMARY_TORCH) else 0.9
+                    ),
+                }
+            ],
+        }
+        record["machine"]["torch"] = torch
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+
+    write("dp-old", "2.13.0+cpu", "2026-01-02T00:00:00Z")
+    write("dp-primary", f"{PRIMARY_TORCH}.0+cu132", "2026-01-01T00:00:00Z")
+    # Newer, but on an older torch: the page still shows the primary torch's record.
+    assert latest_records(tmp_path)["dp"]["machine"]["torch"].startswith(PRIMARY_TORCH)
+    assert [torch_release(r) for r in history(tmp_path)] == ["2.13"]
+    page = write_docs(tmp_path, tmp_path / "benchmarks.md").read_text()
+    current, earlier = page.split(f"## Earlier records (torch other than {PRIMARY_TORCH})")
+    assert f"torch {PRIMARY_TORCH}.0+cu132" in current and "2.13.0+cpu" not in current
+    assert "| dp | 2026-01-02T00:00:00Z | 2.13.0+cpu | mlp: 0.90 (<= 0.95) |" in earlier

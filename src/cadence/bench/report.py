@@ -1,9 +1,10 @@
 """Generate ``docs/benchmarks.md`` from the newest bench records (never hand-edit it).
 
 ``cadence bench report`` reads ``bench/results/*.json``, takes the newest full
-(non ``--quick``) record of each kind, or the newest quick one when no full one
-exists, and writes one table per kind with the ratio, its spread, the A/A noise,
-the target and the machine load of that run.
+(non ``--quick``) record of each kind on the primary torch (`PRIMARY_TORCH`), or the
+newest quick one when no full one exists, and writes one table per kind with the
+ratio, its spread, the A/A noise, the target and the machine load of that run. Full
+records on other torch releases are listed at the end as history.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from cadence.bench._run import KINDS
 
-__all__ = ["latest_records", "render", "write_docs"]
+__all__ = ["PRIMARY_TORCH", "history", "latest_records", "render", "torch_release", "write_docs"]
 
 _TITLES = {
     "dp": "DataParallel vs torch DDP",
@@ -92,9 +93,20 @@ finalization patterns in [bench_dp.md](bench_dp.md), pipeline bubbles in
 """
 
 
-def latest_records(results: Path) -> dict[str, dict[str, Any]]:
-    """kind -> the newest full record (or the newest quick one if none is full)."""
-    best: dict[str, tuple[tuple[bool, str], dict[str, Any]]] = {}
+# The torch release users install today, the primary lane of constraints.txt: its records
+# are the ones the page shows (a test keeps the two equal). Records on other releases
+# stay in bench/results as history and are listed at the end of the page.
+PRIMARY_TORCH = "2.15"
+
+
+def torch_release(record: dict[str, Any]) -> str:
+    """``major.minor`` of the torch a record ran on (``"2.13.0+cpu"`` -> ``"2.13"``)."""
+    version = str(record.get("machine", {}).get("torch") or "")
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def _records(results: Path) -> list[dict[str, Any]]:
+    out = []
     for path in sorted(results.glob("*.json")):
         try:
             record = json.loads(path.read_text())
@@ -102,11 +114,28 @@ def latest_records(results: Path) -> dict[str, dict[str, Any]]:
             continue
         if record.get("tiny") or record.get("kind") not in KINDS:
             continue
-        key = (not record["quick"], record["created"])
+        record["_path"] = str(path)  # not written back: locates the chart
+        out.append(record)
+    return out
+
+
+def latest_records(results: Path) -> dict[str, dict[str, Any]]:
+    """kind -> the newest full record on the primary torch (else the newest quick one;
+    a kind with no record on the primary torch falls back to its newest on any)."""
+    best: dict[str, tuple[tuple[bool, bool, str], dict[str, Any]]] = {}
+    for record in _records(results):
+        key = (torch_release(record) == PRIMARY_TORCH, not record["quick"], record["created"])
         if record["kind"] not in best or key > best[record["kind"]][0]:
-            record["_path"] = str(path)  # not written back: locates the chart
             best[record["kind"]] = (key, record)
     return {k: v for k, (_, v) in best.items()}
+
+
+def history(results: Path) -> list[dict[str, Any]]:
+    """Full records on another torch than the primary, oldest first: earlier peers."""
+    return sorted(
+        (r for r in _records(results) if torch_release(r) != PRIMARY_TORCH and not r["quick"]),
+        key=lambda r: (r["kind"], r["created"]),
+    )
 
 
 def _cell(s: dict[str, float] | None) -> str:
@@ -132,8 +161,13 @@ def _extra(row: dict[str, Any]) -> str:
     return "; ".join(parts) or "-"
 
 
-def render(records: dict[str, dict[str, Any]], page_dir: Path | None = None) -> str:
-    """The page; ``page_dir`` (where it is written) makes chart links relative to it."""
+def render(
+    records: dict[str, dict[str, Any]],
+    page_dir: Path | None = None,
+    older: list[dict[str, Any]] | None = None,
+) -> str:
+    """The page; ``page_dir`` (where it is written) makes chart links relative to it;
+    ``older`` (see `history`) adds the earlier records' section."""
     out = [_HEADER]
     for kind in KINDS:
         out.append(f"\n## {_TITLES[kind]}\n")
@@ -165,12 +199,41 @@ def render(records: dict[str, dict[str, Any]], page_dir: Path | None = None) -> 
             rel = os.path.relpath(chart.resolve(), page_dir.resolve())
             out.append(f"\n![cadence bench {kind}]({rel})")
         out.append("")
+    if older:
+        out.append(_history_section(older, page_dir))
     return "\n".join(out)
+
+
+def _history_section(older: list[dict[str, Any]], page_dir: Path | None) -> str:
+    """One line per earlier record: its torch, when, and its rows that have a target."""
+    lines = [
+        f"\n## Earlier records (torch other than {PRIMARY_TORCH})\n",
+        "The same comparisons against earlier torch releases' DDP, FSDP2 and pipelining,",
+        "kept as history: the ratios above are the ones that count. Median ratio of each",
+        "row that has a target.\n",
+        "| kind | run | torch | median ratios (target) | record |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in older:
+        rows = "; ".join(
+            f"{row['case']}: {row['ratio']['median']:.2f} (<= {row['target']:.2f})"
+            for row in r["rows"]
+            if row.get("target") is not None
+        )
+        path = Path(r.get("_path", ""))
+        link = path.name
+        if page_dir is not None and path.name:
+            link = f"[{path.name}]({os.path.relpath(path.resolve(), page_dir.resolve())})"
+        lines.append(
+            f"| {r['kind']} | {r['created']} | {r['machine'].get('torch')} | {rows or '-'} "
+            f"| {link} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def write_docs(
     results: Path = Path("bench/results"), out: Path = Path("docs/benchmarks.md")
 ) -> Path:
     """Regenerate the benchmarks page from the newest records under ``results``."""
-    out.write_text(render(latest_records(results), out.parent))
+    out.write_text(render(latest_records(results), out.parent, history(results)))
     return out
