@@ -210,15 +210,15 @@ def _history_section(older: list[dict[str, Any]], page_dir: Path | None) -> str:
         f"\n## Earlier records (torch other than {PRIMARY_TORCH})\n",
         "The same comparisons against earlier torch releases' DDP, FSDP2 and pipelining,",
         "kept as history: the ratios above are the ones that count. Median ratio of each",
-        "row that has a target.\n",
+        "row that has a target (the records hold every row).\n",
         "| kind | run | torch | median ratios (target) | record |",
         "| --- | --- | --- | --- | --- |",
     ]
     for r in older:
+        targeted = [row for row in r["rows"] if row.get("target") is not None]
         rows = "; ".join(
-            f"{row['case']}: {row['ratio']['median']:.2f} (<= {row['target']:.2f})"
-            for row in r["rows"]
-            if row.get("target") is not None
+            f"{row['case']}, {row['metric']}: {row['ratio']['median']:.2f} (<= {row['target']:.2f})"
+            for row in targeted
         )
         path = Path(r.get("_path", ""))
         link = path.name
