@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
 import torch
 
 import cadence
@@ -9,7 +12,14 @@ from cadence import EventLog
 from cadence.fsdp import fully_shard
 from cadence.models import GPTConfig, MarkovTokens, TinyGPT
 from cadence.pipeline.runtime import build_pipeline
-from cadence.pipeline.schedule import placement_for
+from cadence.pipeline.schedule import (
+    Action,
+    ActionKind,
+    Schedule,
+    complete_comms,
+    parse_action,
+    placement_for,
+)
 from cadence.testing import max_abs_diff, run_subtests
 
 M = 4  # microbatches: DualPipeV needs m >= 2p
@@ -53,14 +63,56 @@ def _order(log: EventLog, mine: list[int]) -> dict:
         # issued after its own last backward, before another local stage's last backward
         "issued_after_own_backward": all(issued[s] > last_bwd[s] for s in mine),
         "overlaps_other_stage": all(issued[first] < last_bwd[s] for s in others),
+        # ... and still in flight when that backward ends: waited after it, not at once
+        "in_flight_over_other_stage": all(waited[first] > last_bwd[s] for s in others),
         "waited_in_step": all(waited[s] > issued[s] for s in mine),
         "n_after_last_compute": sum(waited[s] > last_compute for s in mine),
     }
 
 
-def pp_dp_case(pg, wrapper: str, schedule: tuple[str, int], k: int = 1) -> dict:
+def _torch_schedule(name: str, v: int, rows: Sequence[Sequence[str]]) -> Schedule:
+    """torch's lowered per-rank lists (its action strings), imported as
+    ``build_pipeline(source="torch")`` imports them: parsed, then `complete_comms`."""
+    sched = Schedule.from_lists(
+        rows, placement_for(name, 2, v), generator=f"torch:{name}", v=v, m=M, lowered=True
+    )
+    return complete_comms(sched)
+
+
+def _executed(log: EventLog) -> list[str]:
+    """The step's computes, REDUCE_GRADs and WAIT_REDUCE_GRADs in the order the
+    runtime ran them (event marks), as action strings."""
+    out = []
+    for e in log.events:
+        if e.kind != "mark":
+            continue
+        if e.group == "pp_compute":
+            out.append(f"{e.meta['stage']}{e.meta['kind']}{e.meta['mb']}")
+        elif e.group == "pp_reduce_grad":
+            out.append(f"{e.meta['stage']}REDUCE_GRAD")
+        elif e.group == "pp_wait_reduce_grad":
+            out.append(f"{e.meta['stage']}WAIT_REDUCE_GRAD")
+    return out
+
+
+def _skeleton(acts: Sequence[Action]) -> list[str]:
+    """What `_executed` records of an action list: computes (FB_OVERLAP as its
+    parts), REDUCE_GRAD and WAIT_REDUCE_GRAD, in list order."""
+    keep = (ActionKind.REDUCE_GRAD, ActionKind.WAIT_REDUCE_GRAD)
+    return [str(p) for a in acts for p in (a.compute_parts() or ((a,) if a.kind in keep else ()))]
+
+
+def pp_dp_case(
+    pg,
+    wrapper: str,
+    schedule: tuple[str, int],
+    k: int = 1,
+    torch_rows: Mapping[str, Sequence[Sequence[str]]] | None = None,
+) -> dict:
     """An accumulation step, then a syncing step; gradients against one process.
-    ``k``: reductions allowed in flight per rank (``max_outstanding_reductions``)."""
+    ``k``: reductions allowed in flight per rank (``max_outstanding_reductions``).
+    ``torch_rows``: run torch's own lowered lists for the schedule (``{name: rows}``)
+    instead of cadence's, and record what ran against torch's list."""
     name, v = schedule
     n = 2 * v
     mine = sorted(s for s, r in placement_for(name, 2, v).items() if r == pg.pp_rank)
@@ -69,8 +121,9 @@ def pp_dp_case(pg, wrapper: str, schedule: tuple[str, int], k: int = 1) -> dict:
     for s in mine:
         chunks[s] = _wrap(chunks[s], wrapper, pg, log)
     reduce_kind = "all_reduce" if wrapper == "data_parallel" else "reduce_scatter"
+    sched = name if torch_rows is None else _torch_schedule(name, v, torch_rows[name])
     rt = build_pipeline(
-        name,
+        sched,
         chunks,
         n_microbatches=M,
         chunks=v,
@@ -116,6 +169,19 @@ def pp_dp_case(pg, wrapper: str, schedule: tuple[str, int], k: int = 1) -> dict:
         "all_gathers": log.count("all_gather"),
         **_order(log, mine),
     }
+    if torch_rows is not None:
+        theirs = torch_rows[name][pg.pp_rank]
+        # The list the runtime holds, less what the import adds (LOCALs, channels,
+        # sequence numbers), is torch's list action for action ...
+        row["runtime_list"] = [
+            str(replace(a, channel=None, seq=None))
+            for a in rt.actions
+            if a.kind is not ActionKind.LOCAL
+        ]
+        row["torch_list"] = list(theirs)
+        # ... and what ran, in event order, is torch's computes, issues and waits.
+        row["executed"] = _executed(log)
+        row["torch_order"] = _skeleton([parse_action(a) for a in theirs])
     if losses:  # this rank's dp slice of the global batch: its microbatches' losses
         lo = rows.start // (xb.shape[0] // (2 * M))
         row["loss_diff"] = max_abs_diff([float(x) for x in losses], ref_loss[lo : lo + M])
@@ -125,6 +191,12 @@ def pp_dp_case(pg, wrapper: str, schedule: tuple[str, int], k: int = 1) -> dict:
 def body_pp2_dp2(grid: dict, k_grid: dict) -> dict:
     pg = cadence.init(cadence.Topology(dp_shard=2, pp=2))
     return {"k1": run_subtests(grid, pp_dp_case, pg), "k": run_subtests(k_grid, pp_dp_case, pg)}
+
+
+def body_pp2_dp2_torch_lists(grid: dict, torch_rows: dict) -> dict:
+    """pp=2 x dp=2 running torch's own lowered lists (``torch_rows``: ``{name: rows}``)."""
+    pg = cadence.init(cadence.Topology(dp_shard=2, pp=2))
+    return run_subtests(grid, pp_dp_case, pg, torch_rows=torch_rows)
 
 
 def body_pp2_hsdp(grid: dict) -> dict:

@@ -7,20 +7,26 @@ reduction; the syncing step issues one reduction per stage (per fully_shard unit
 each issued at REDUCE_GRAD after the stage's own last backward, the first one
 before the other local stage's last backward has finished, waited before the step
 returns, never more than K outstanding (K = 1 by default, and 2); gradients and losses equal one process
-on both global batches (1e-5 relative). The same at pp=2 x HSDP.
+on both global batches (1e-5 relative). The same at pp=2 x HSDP, and for torch's own
+lowered lists with deferred reduction waits (torch >= 2.15), which run as torch wrote
+them.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from cadence.pipeline.schedule import ActionKind, parse_action
 from cadence.testing import max_abs_diff, run_distributed
 from tests.pipeline.runtime.bodies_grad_sync import (
+    M,
     body_placement,
     body_pp2_dp2,
+    body_pp2_dp2_torch_lists,
     body_pp2_hsdp,
 )
 from tests.pipeline.runtime.bodies_parity import SCHEDULES
+from tests.pipeline.schedule.test_torch_interop import _torch_rows, needs_torch_reduce_wait
 
 TOL = 1e-5
 WRAPPERS = ["fully_shard", "data_parallel"]
@@ -71,6 +77,45 @@ def test_pp2_hsdp_split_backward_schedules():
     grid = {"wrapper": ["fully_shard"], "schedule": split}
     results = run_distributed(body_pp2_hsdp, grid, world_size=4, timeout=200)
     _check(results, len(split))
+
+
+# torch's lowered multi-stage schedules with two stages per rank (the ones with
+# another local stage for a reduction to overlap).
+TORCH_LISTS = [("interleaved", 2), ("zbv", 2), ("dualpipev", 2)]
+
+
+@pytest.mark.slow
+@needs_torch_reduce_wait
+def test_pp2_dp2_torch_deferred_reduction_waits_both_wrappers():
+    """torch's own lowered lists, built with ``defer_reduce_grad_wait=True`` (each
+    WAIT_REDUCE_GRAD just before the rank's next REDUCE_GRAD or at the end of its
+    list), run through cadence's runtime at pp 2 x dp 2 with both wrappers: the
+    runtime holds torch's list action for action and runs torch's computes, issues
+    and waits in torch's order; everything `_check` asks of cadence's own lists
+    holds (parity with one process, one reduction in flight, the first issued
+    before the other local stage's last backward), and the first reduction is still
+    in flight when that backward ends. See [Note: torch's reduction waits] in
+    ``schedule/passes.py``."""
+    rows = {
+        name: _torch_rows(name, 2, M, v, defer_reduce_grad_wait=True) for name, v in TORCH_LISTS
+    }
+    for name, per_rank in rows.items():
+        for r, row in enumerate(per_rank):
+            # torch really deferred: compute runs between the first issue and its
+            # wait (torch's default puts the wait right after the issue).
+            acts = [parse_action(a) for a in row]
+            issue = next(i for i, a in enumerate(acts) if a.kind is ActionKind.REDUCE_GRAD)
+            wait = next(i for i, a in enumerate(acts) if a.kind is ActionKind.WAIT_REDUCE_GRAD)
+            assert any(a.is_compute for a in acts[issue:wait]), (name, r, row)
+    grid = {"wrapper": WRAPPERS, "schedule": TORCH_LISTS}
+    results = run_distributed(body_pp2_dp2_torch_lists, grid, rows, world_size=4, timeout=300)
+    _check(results, len(WRAPPERS) * len(TORCH_LISTS))
+    for rank, res in enumerate(results):
+        for case, r in res.items():
+            where = f"rank {rank} {case}"
+            assert r["runtime_list"] == r["torch_list"], where
+            assert r["executed"] == r["torch_order"], where
+            assert r["in_flight_over_other_stage"], where
 
 
 @pytest.mark.slow

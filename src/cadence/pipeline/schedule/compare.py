@@ -13,9 +13,12 @@ orders and nothing else:
 
 torch is needed only for its side: `torch_order` imports
 ``torch.distributed.pipelining`` when called, and everything else here is pure.
-torch 2.13's ``Schedule1F1B`` keeps an IR beside its execution loop that is
-invalid on the last rank (see [Note: the generated IR is what runs]); the table
-says so instead of timing it.
+torch's ``Schedule1F1B`` (2.13 and 2.15) keeps an IR beside its execution loop
+that is invalid on the last rank (see [Note: the generated IR is what runs]); the
+table says so instead of timing it. torch's compute-only lists carry its reduction
+actions (REDUCE_GRAD after a stage's last backward; from torch 2.15 GPipe's and
+1F1B's also a WAIT_REDUCE_GRAD right after it); `lower` replaces both with its
+own, so both orders are timed with the same reduction placement on either torch.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def order_metrics(sched: Schedule) -> OrderMetrics:
 
 
 def torch_order(name: str, p: int, m: int, v: int) -> Schedule | str:
-    """torch 2.13's compute-only order in cadence's IR, or why torch has none.
+    """The installed torch's compute-only order in cadence's IR, or why torch has none.
 
     Raises ImportError where torch (or its pipelining package) is not installed.
     """

@@ -8,12 +8,12 @@ holds the registry of names.
 
 [Note: the generated IR is what runs]
 There is no hand-written execution loop anywhere in cadence whose IR would only be
-a picture. torch 2.13 runs GPipe and 1F1B as hand-written loops and keeps an IR
-beside them for the visualiser, and that IR drifted: ``Schedule1F1B``'s order for
-the last rank of p=4, m=8 reads ``3F1, 3B0, 3F2, ..., 3F8, 3B7`` (forward indices
-shifted by one, microbatch 8 out of range), which the validator rejects with "B
-before F". Executing the generated list itself means the simulator, the pictures
-and the runtime all see the same schedule.
+a picture. torch (2.13, and still 2.15) runs GPipe and 1F1B as hand-written loops
+and keeps an IR beside them for the visualiser, and that IR drifted:
+``Schedule1F1B``'s order for the last rank of p=4, m=8 reads ``3F1, 3B0, 3F2, ...,
+3F8, 3B7`` (forward indices shifted by one, microbatch 8 out of range), which the
+validator rejects with "B before F". Executing the generated list itself means the
+simulator, the pictures and the runtime all see the same schedule.
 """
 
 from __future__ import annotations
