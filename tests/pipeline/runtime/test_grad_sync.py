@@ -102,7 +102,7 @@ def test_pp2_dp2_torch_deferred_reduction_waits_both_wrappers():
     for name, per_rank in rows.items():
         for r, row in enumerate(per_rank):
             # torch really deferred: compute runs between the first issue and its
-            # wait (torch's default puts the wait right after the issue).
+            # wait (torch's default puts the wait right after its REDUCE_GRAD).
             acts = [parse_action(a) for a in row]
             issue = next(i for i, a in enumerate(acts) if a.kind is ActionKind.REDUCE_GRAD)
             wait = next(i for i, a in enumerate(acts) if a.kind is ActionKind.WAIT_REDUCE_GRAD)
