@@ -142,7 +142,11 @@ def add_train_subcommand(
         help="checkpoint to RUN_DIR/checkpoints/step-<N> every K steps and after the last",
     )
     p.add_argument(
-        "--keep", type=int, default=d.keep, metavar="N", help="keep the newest N checkpoints"
+        "--keep",
+        type=int,
+        default=d.keep,
+        metavar="N",
+        help="keep this run's newest N checkpoints (another run's are never deleted)",
     )
     p.add_argument(
         "--async-checkpoint", action="store_true", help="write checkpoints in the background"
@@ -150,7 +154,14 @@ def add_train_subcommand(
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest complete checkpoint in --run-dir (else start fresh)",
+        help="continue from the newest complete checkpoint in --run-dir (else start fresh); "
+        "without --resume or --overwrite, a --run-dir that holds checkpoints is refused",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a --run-dir that holds an earlier run's checkpoints: delete "
+        "them (every RUN_DIR/checkpoints/step-<N>) before the run starts; not with --resume",
     )
     p.add_argument(
         "--collective-timeout",

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import cadence.train.loop as loop_module
+import cadence.train.run as run_module
 from cadence.models.config import GPTConfig
+from cadence.train.checkpoint import Checkpointer
 from cadence.train.config import TrainConfig
 from cadence.train.run import run_rank
 
@@ -46,6 +49,13 @@ def body_resume(
         base, run_dir=f"{run_dir}/cut", checkpoint_every=every, resume=True, **(saving or {})
     )
     real = _interrupt_at(stop_at)
+    savers: list[Checkpointer] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Checkpointer:
+        savers.append(Checkpointer(*args, **kwargs))
+        return savers[-1]
+
+    run_module.Checkpointer = recording
     try:
         run_rank(cut)
         raise AssertionError("the interruption did not happen")
@@ -53,6 +63,13 @@ def body_resume(
         pass
     finally:
         loop_module.train_step = real
+        run_module.Checkpointer = Checkpointer
+    # A lost process's background save dies with it; here the interrupted run's lives
+    # on in this process. Let it finish before the restart looks for checkpoints, else
+    # its commit can land after the restart chose a fresh start (a fresh lineage, whose
+    # first save would then meet the lost run's complete one).
+    for saver in savers:
+        saver.wait()
     dist.barrier()
     steps_on_disk = sorted(p.name for p in Path(cut.run_dir, "checkpoints").iterdir())
     resumed = run_rank(cut)

@@ -53,6 +53,7 @@ def test_async_checkpoint_resume_is_bit_identical(tmp_path: Path) -> None:
     )
     for r in results:
         assert r["resumed"] == r["full"]
+        assert r["history"].resumes == [3]  # the restart found the step-3 save
         assert r["history"].checkpoints == [3, 6, 8]
     # --keep 1: only the last checkpoint is left
     assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-8"]

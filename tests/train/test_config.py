@@ -6,6 +6,8 @@ given world size). Each refusal has its own test and names the flag and the fix.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cadence.models.config import GPTConfig
@@ -74,6 +76,11 @@ REFUSED = [
     (dict(async_checkpoint=True), "--async-checkpoint need --checkpoint-every K"),
     (dict(checkpoint_every=5), "--checkpoint-every needs --run-dir"),
     (dict(resume=True), "--resume needs --run-dir"),
+    (dict(overwrite=True), "--overwrite needs --run-dir"),
+    (
+        dict(overwrite=True, resume=True, run_dir="r"),
+        "--resume continues the checkpoints in --run-dir and --overwrite deletes them",
+    ),
     (dict(collective_timeout=0.0), "--collective-timeout must be > 0 seconds"),
 ]
 
@@ -110,3 +117,13 @@ def test_hsdp_layout() -> None:
 
 def test_errors_are_value_errors() -> None:
     assert issubclass(TrainConfigError, ValueError)
+
+
+def test_a_written_config_never_replays_overwrite(tmp_path: Path) -> None:
+    from cadence.train.config_file import config_to_toml, read_config_file
+
+    cfg = TrainConfig(run_dir=str(tmp_path / "a"), overwrite=True)
+    path = tmp_path / "config.toml"
+    path.write_text(config_to_toml(cfg))
+    # Replaying the file would otherwise delete the checkpoints this very run wrote.
+    assert read_config_file(path)["overwrite"] is False

@@ -61,6 +61,9 @@ class TrainState:
         data: the synthetic token stream; step ``i`` reads its global batch ``i``.
         step: the next step to run, which is also the data position.
         event_log: every collective of the data-parallel wrappers.
+        lineage: the run's lineage id, recorded in each checkpoint's manifest: a resume
+            carries on the loaded one, a fresh run draws one in its `Checkpointer`
+            (see [Note: a run's lineage] in `cadence.train.checkpoint`).
     """
 
     layout: Layout
@@ -72,6 +75,7 @@ class TrainState:
     data: MarkovTokens
     step: int = 0
     event_log: EventLog = field(default_factory=EventLog)
+    lineage: str | None = None
 
 
 def topology_for(layout: Layout) -> Topology:

@@ -22,6 +22,20 @@ next run deletes. A ``step-<N>`` folder that fails the manifest check (a file
 missing or of another size, e.g. a copy cut short) is skipped on resume, and the
 skip is reported: resume takes the newest complete checkpoint. The folder must be
 on a filesystem every rank sees (one machine, or a shared filesystem across nodes).
+A folder is a checkpoint only if its whole name is ``step-<N>``, N in ASCII digits
+without a leading zero (the name `_commit` writes): ``\\d`` would also take
+``step-`` with Arabic-Indic digits and ``$`` a name with a trailing newline, so names
+are matched with ``re.fullmatch`` on ``[0-9]``; other ``step-*`` names are ignored,
+and reported as skipped.
+
+[Note: a run's lineage]
+Each run has a lineage id: a fresh run draws one, ``--resume`` carries on the one in
+the manifest it loads (`TrainState.lineage`), and every manifest records it. ``--keep``
+prunes only checkpoints of this run's lineage, so a checkpoint of another run (copied
+in, or written by a cadence without lineage ids, whose manifest has none) is never
+deleted. Mixing runs in one folder is refused up front anyway (`check_run_dir`): a
+fresh run into a ``--run-dir`` that holds checkpoints needs ``--resume`` (continue
+them) or ``--overwrite`` (delete them first, `delete_checkpoints`).
 """
 
 from __future__ import annotations
@@ -33,6 +47,7 @@ import re
 import shutil
 import sys
 import threading
+import uuid
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
@@ -46,19 +61,22 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from cadence.errors import CadenceError
 from cadence.train.build import TrainState
-from cadence.train.config import TrainConfig
+from cadence.train.config import TrainConfig, TrainConfigError
 from cadence.train.history import RunHistory
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
     "ResumeRefusedError",
+    "check_run_dir",
+    "delete_checkpoints",
     "find_latest",
     "load_checkpoint",
 ]
 
 MANIFEST = "cadence.json"
-_STEP = re.compile(r"^step-(\d+)$")
+# Used with fullmatch only: ASCII digits, no leading zero, nothing after them.
+_STEP = re.compile(r"step-([1-9][0-9]*)")
 # The flags a checkpoint's numbers depend on: a resume under other values would
 # silently continue another run, so it is refused (see `_check_compatible`).
 _MUST_MATCH = ("batch_size", "lr", "seed", "fsdp", "mixed_precision", "pp", "model")
@@ -115,11 +133,14 @@ def _set_rng_states(blob: bytes) -> None:
         numpy.random.set_state(states["numpy"])
 
 
-def _manifest(cfg: TrainConfig, state: TrainState, step: int, folder: Path) -> dict[str, Any]:
+def _manifest(
+    cfg: TrainConfig, state: TrainState, step: int, folder: Path, lineage: str
+) -> dict[str, Any]:
     layout = state.layout
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     return {
         "step": step,
+        "lineage": lineage,
         "world_size": layout.world,
         "layout": {
             "pp": layout.pp,
@@ -154,24 +175,104 @@ def _why_incomplete(folder: Path) -> str | None:
     return None
 
 
+def _lineage(folder: Path) -> str | None:
+    """The lineage id in ``folder``'s manifest; None when there is none (no manifest,
+    an unreadable one, or one written before lineage ids). See [Note: a run's lineage]."""
+    try:
+        lineage = json.loads((folder / MANIFEST).read_text()).get("lineage")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return lineage if isinstance(lineage, str) and lineage else None
+
+
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    """The ``step-<N>`` entries of ``root``, oldest first (see the module docstring on names)."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name))]
     return sorted(found)
+
+
+def _misnamed(root: Path) -> list[Path]:
+    """Entries named ``step-`` something that is not a step number: ignored."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        p for p in root.iterdir() if p.name.startswith("step-") and not _STEP.fullmatch(p.name)
+    )
 
 
 def find_latest(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The newest complete checkpoint in ``run_dir`` (or None), and a line per newer
-    folder that was skipped, saying why. See [Note: a checkpoint counts only once complete]."""
+    folder that was skipped, saying why (and one per ignored ``step-*`` name). See
+    [Note: a checkpoint counts only once complete]."""
     root = checkpoint_dir(run_dir)
     skipped = [f"{p.name}: an unfinished save" for p in sorted(root.glob(".step-*.tmp"))]
+    # repr: such a name may hold a newline or look like a number it is not.
+    skipped += [
+        f"{p.name!r}: not a checkpoint name (step-<N>, N in ASCII digits), ignored"
+        for p in _misnamed(root)
+    ]
     for _, folder in reversed(_step_folders(root)):
         why = _why_incomplete(folder)
         if why is None:
             return folder, skipped
         skipped.append(f"{folder.name}: {why}")
     return None, skipped
+
+
+def _check_steps(cfg: TrainConfig, step: int, folder: str | Path) -> None:
+    """Refuse a resume with nothing to train below the checkpoint: ``--steps`` is the
+    run's total, so a smaller one would load and stop at once, with no step timed."""
+    if cfg.steps < step:
+        raise ResumeRefusedError(
+            f"--resume continues {folder} (step {step}), but --steps is {cfg.steps}: "
+            f"--steps counts the whole run, so pass --steps above {step} to train on"
+        )
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Refuse, before any rank starts, a run that the checkpoints already in
+    ``cfg.run_dir`` make wrong. Reads the folder only.
+
+    Raises:
+        TrainConfigError: a fresh run (neither ``--resume`` nor ``--overwrite``) into a
+            folder that holds ``step-<N>`` checkpoints: its ``--keep`` would prune
+            among the other run's checkpoints and its saves would replace theirs.
+        ResumeRefusedError: ``--resume`` with ``--steps`` below the newest complete
+            checkpoint's step.
+    """
+    root = checkpoint_dir(cfg.run_dir)
+    if cfg.resume:
+        folder, _ = find_latest(cfg.run_dir)
+        if folder is not None:
+            _check_steps(cfg, json.loads((folder / MANIFEST).read_text())["step"], folder)
+        return
+    found = _step_folders(root)
+    if found and not cfg.overwrite:
+        raise TrainConfigError(
+            f"--run-dir {cfg.run_dir} already holds checkpoints of an earlier run (newest: "
+            f"step-{found[-1][0]} in {root}): add --resume to continue that run, or "
+            "--overwrite to delete its checkpoints and start over"
+        )
+
+
+def delete_checkpoints(run_dir: str | Path) -> list[str]:
+    """``--overwrite``: delete every ``step-<N>`` checkpoint and unfinished save in
+    ``run_dir`` (whatever its lineage), before any rank starts. Returns the deleted
+    checkpoints' names, oldest first. Other entries (misnamed folders, other files)
+    are left alone: they are not checkpoints this run could mix with."""
+    root = checkpoint_dir(run_dir)
+    deleted = []
+    for _, folder in _step_folders(root):
+        if folder.is_dir():
+            shutil.rmtree(folder)
+        else:
+            folder.unlink()
+        deleted.append(folder.name)
+    for stale in root.glob(".step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return deleted
 
 
 def _check_compatible(cfg: TrainConfig, state: TrainState, manifest: dict[str, Any]) -> None:
@@ -209,7 +310,9 @@ def load_checkpoint(cfg: TrainConfig, state: TrainState) -> tuple[RunHistory, st
     Collective: rank 0 picks the folder and every rank loads that one. Returns the
     restored history (empty when there is no checkpoint: a fresh start) and a line
     saying what was loaded and what was skipped. Raises `ResumeRefusedError` on every
-    rank alike when the checkpoint belongs to another kind of run.
+    rank alike when the checkpoint belongs to another kind of run, or when ``--steps``
+    is below its step. Sets ``state.step`` and ``state.lineage`` (the checkpoint's:
+    see [Note: a run's lineage]).
     """
     choice: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -224,6 +327,7 @@ def load_checkpoint(cfg: TrainConfig, state: TrainState) -> tuple[RunHistory, st
             [f"no complete checkpoint in {cfg.run_dir}: fresh start", *notes]
         )
     _check_compatible(cfg, state, manifest)
+    _check_steps(cfg, manifest["step"], folder_s)
     root = _stateful_root(state)
     model_sd, optim_sd = get_state_dict(root, state.optimizer)
     rank = dist.get_rank()
@@ -243,8 +347,23 @@ def load_checkpoint(cfg: TrainConfig, state: TrainState) -> tuple[RunHistory, st
             f"{folder_s}: its history has {history.step} steps, its manifest {step}"
         )
     state.step = step
+    # None (a checkpoint written before lineage ids): the Checkpointer draws a new one.
+    state.lineage = manifest.get("lineage")
     history.resumes.append(step)
     return history, "; ".join([f"resumed from {Path(folder_s).name} (step {step})", *notes])
+
+
+def _prune(root: Path, keep: int, lineage: str) -> None:
+    """``--keep``: delete ``lineage``'s checkpoints older than its newest ``keep``
+    complete ones. Other lineages' folders, and folders with no readable lineage, are
+    never touched (see [Note: a run's lineage])."""
+    ours = [(s, p) for s, p in _step_folders(root) if _lineage(p) == lineage]
+    complete = [s for s, p in ours if _why_incomplete(p) is None]
+    if len(complete) > keep:
+        oldest_kept = complete[-keep]
+        for s, p in ours:
+            if s < oldest_kept:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 class Checkpointer:
@@ -265,6 +384,10 @@ class Checkpointer:
         self._committed = threading.Event()
         self._failed: BaseException | None = None
         self._group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+        # Only rank 0 writes manifests, so only its id is ever recorded.
+        if state.lineage is None:
+            state.lineage = uuid.uuid4().hex
+        self.lineage: str = state.lineage
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             # Leftovers of a save that a crash cut short. No rank writes before rank 0
@@ -313,19 +436,23 @@ class Checkpointer:
         """Rank 0: manifest, then the atomic rename, then prune to ``--keep``."""
         if self.rank != 0:
             return
-        manifest = _manifest(self.cfg, self.state, step, tmp)
+        manifest = _manifest(self.cfg, self.state, step, tmp, self.lineage)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         final = self.root / f"step-{step}"
-        if final.exists():  # an older, incomplete save of the same step
-            shutil.rmtree(final)
+        if final.exists():
+            other = _lineage(final)
+            # Only reachable past `check_run_dir` (run_rank called directly): another
+            # run's complete checkpoint is never replaced. See [Note: a run's lineage].
+            if _why_incomplete(final) is None and other != self.lineage:
+                raise CheckpointError(
+                    f"{final} is a complete checkpoint of another run (lineage {other}); "
+                    "this run will not replace it: resume that run (--resume), or start "
+                    "over with --overwrite"
+                )
+            shutil.rmtree(final)  # an older, incomplete save of the same step
         tmp.rename(final)
         if self.cfg.keep:
-            complete = [s for s, p in _step_folders(self.root) if _why_incomplete(p) is None]
-            if len(complete) > self.cfg.keep:
-                oldest_kept = complete[-self.cfg.keep]
-                for s, p in _step_folders(self.root):
-                    if s < oldest_kept:
-                        shutil.rmtree(p, ignore_errors=True)
+            _prune(self.root, self.cfg.keep, self.lineage)
 
     def wait(self) -> None:
         """Block until the background save (if any) is written and committed."""

@@ -136,7 +136,12 @@ class TrainConfig:
     (needs the ``tensorboard`` package)."""
     resume: bool = False
     """Continue from the newest complete checkpoint in ``run_dir`` if there is one, else
-    start fresh: the same command serves the first launch and every restart."""
+    start fresh: the same command serves the first launch and every restart. Without
+    it (or ``overwrite``), a ``run_dir`` that holds checkpoints is refused."""
+    overwrite: bool = False
+    """Start over in a ``run_dir`` that holds an earlier run's checkpoints: they are
+    deleted before any rank starts (every ``step-<N>`` folder, whatever run wrote it).
+    Not with ``resume``."""
 
     def __post_init__(self) -> None:
         err = TrainConfigError
@@ -195,6 +200,14 @@ class TrainConfig:
             raise err(
                 f"{flag} needs --run-dir: every rank, and every restart of the job, must "
                 "name the same folder"
+            )
+        if self.overwrite and not self.run_dir:
+            # The default runs/<timestamp> is a new folder: nothing to overwrite.
+            raise err("--overwrite needs --run-dir (the folder whose checkpoints it deletes)")
+        if self.overwrite and self.resume:
+            raise err(
+                "--resume continues the checkpoints in --run-dir and --overwrite deletes them: "
+                "give one of the two"
             )
 
     @property

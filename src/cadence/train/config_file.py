@@ -82,6 +82,9 @@ def _value(v: Any) -> str:
 def config_to_toml(cfg: TrainConfig) -> str:
     """``cfg`` as a file `read_config_file` reads back to the same config."""
     values = asdict(cfg)
+    # A replay of this file must not delete checkpoints unless asked again on its own
+    # command line: by then the folder holds this run's checkpoints, not the old ones.
+    values["overwrite"] = False
     model = values.pop("model")
     lines = ["# The resolved options of this run: cadence train --config <this file>", "[train]"]
     lines += [f"{k} = {_value(v)}" for k, v in values.items() if v is not None]

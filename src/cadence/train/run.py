@@ -19,7 +19,13 @@ import torch.distributed as dist
 from cadence._dist_init import init
 from cadence.launch import launch
 from cadence.train.build import build_state, topology_for
-from cadence.train.checkpoint import Checkpointer, load_checkpoint
+from cadence.train.checkpoint import (
+    Checkpointer,
+    check_run_dir,
+    checkpoint_dir,
+    delete_checkpoints,
+    load_checkpoint,
+)
 from cadence.train.config import TrainConfig
 from cadence.train.history import RunHistory
 from cadence.train.loop import run_loop
@@ -120,7 +126,22 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     layout = cfg.layout()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # Before any rank starts: a run that would mix with the checkpoints in its folder
+    # is refused here, once, rather than on every rank after the launch.
+    check_run_dir(cfg)
+    # Under torchrun, rank 0 deletes: no rank writes a checkpoint before every rank has
+    # joined the process group, so the others cannot race it.
+    if cfg.overwrite and (not under_torchrun or int(os.environ["RANK"]) == 0):
+        deleted = delete_checkpoints(cfg.run_dir)
+        if deleted:
+            print(
+                f"cadence train: --overwrite deleted the checkpoints of an earlier run "
+                f"({', '.join(deleted)}) in {checkpoint_dir(cfg.run_dir)}",
+                file=sys.stderr,
+                flush=True,
+            )
+    if under_torchrun:
         result = run_rank(cfg)
         if int(os.environ["RANK"]) != 0:
             return {}
