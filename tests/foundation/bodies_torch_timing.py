@@ -249,6 +249,19 @@ def _counted_ddp(base: nn.Module, calls: list[int], **kwargs: Any) -> DDP:
     return ddp
 
 
+def _timed_ddp(
+    base: nn.Module, calls: list[int], *, manual: bool
+) -> tuple[DDP, Any, torch.optim.Optimizer]:
+    """A counted DDP, its timing adapter in the given finalization mode, and an SGD
+    optimizer registered with the adapter (so a step on unreduced gradients is refused)."""
+    ddp = _counted_ddp(base, calls)
+    timing = cadence.gradient_timing(ddp)
+    timing.set_manual_backward_finalization(manual)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    timing.register_optimizer(opt)
+    return ddp, timing, opt
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
@@ -339,11 +352,7 @@ def _ddp_manual(
 ) -> dict[str, Any]:
     """Manual mode: the syncing backward launches the all-reduce, finalize writes .grad."""
     calls: list[int] = []
-    ddp = _counted_ddp(base, calls)
-    timing = cadence.gradient_timing(ddp)
-    timing.set_manual_backward_finalization(True)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    timing.register_optimizer(opt)
+    ddp, timing, opt = _timed_ddp(base, calls, manual=True)
     out: dict[str, Any] = {}
     for i, (xb, yb) in enumerate(micro):
         timing.set_requires_gradient_sync(i == 1)
@@ -400,11 +409,7 @@ def _ddp_deferred(
     out: dict[str, Any] = {}
     for mode, manual in (("manual", True), ("auto", False)):
         calls: list[int] = []
-        ddp = _counted_ddp(base, calls)
-        timing = cadence.gradient_timing(ddp)
-        timing.set_manual_backward_finalization(manual)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        timing.register_optimizer(opt)
+        ddp, timing, opt = _timed_ddp(base, calls, manual=manual)
         timing.set_requires_gradient_sync(False)
         for xb, yb in micro:
             (F.mse_loss(ddp(xb), yb) / 2).backward()

@@ -46,6 +46,15 @@ def _refused(outcome: str, *fragments: str) -> None:
         assert fragment in outcome, (fragment, outcome)
 
 
+def _pending_handle_holds_everything_back(p: dict[str, Any]) -> None:
+    """An unwaited async handle: not done, and a forward, an optimizer step or a second
+    finalize are refused, each naming the handle's wait."""
+    assert p["done"] is False and p["is_completed"] is False, p
+    _refused(p["forward"], "has not been waited", "handle.wait()")
+    _refused(p["step"], "has not been waited")
+    _refused(p["finalize_again"], "before the previous handle was waited")
+
+
 def test_adapters_detect_torch_finalization(r: dict[str, Any]) -> None:
     assert r["fsdp2"]["flags"]["is_timing"]
     assert r["fsdp2"]["flags"]["native"] is TORCH_FSDP2_FINALIZES
@@ -107,10 +116,7 @@ def test_fsdp2_deferred_reduction_runs_at_finalize(r: dict[str, Any]) -> None:
 def test_fsdp2_async_deferred_reduction_pending_until_waited(r: dict[str, Any]) -> None:
     d = r["fsdp2"]["deferred"]
     p = d["pending"]
-    assert p["done"] is False and p["is_completed"] is False, p
-    _refused(p["forward"], "has not been waited", "handle.wait()")
-    _refused(p["step"], "has not been waited")
-    _refused(p["finalize_again"], "before the previous handle was waited")
+    _pending_handle_holds_everything_back(p)
     assert d["done_after_wait"] is True, d
 
 
@@ -194,10 +200,7 @@ def test_ddp_manual_finalize_writes_grads_at_wait(r: dict[str, Any]) -> None:
 def test_ddp_async_finalize_pending_until_waited(r: dict[str, Any]) -> None:
     m = r["ddp"]["manual"]
     p = m["pending"]
-    assert p["done"] is False and p["is_completed"] is False, p
-    _refused(p["forward"], "has not been waited", "handle.wait()")
-    _refused(p["step"], "has not been waited")
-    _refused(p["finalize_again"], "before the previous handle was waited")
+    _pending_handle_holds_everything_back(p)
     assert m["done_after_wait"] is True, m
 
 
