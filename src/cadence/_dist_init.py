@@ -98,16 +98,71 @@ def _init_on_fresh_store(backend: str, timeout: timedelta, device_id: torch.devi
     """
     agent, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     if rank == 0:
-        host = socket.getfqdn()
+        host = _route_address(os.environ.get("MASTER_ADDR", "localhost"))
+        listener = _listen(host)
+        port = listener.getsockname()[1]
         store = dist.TCPStore(
-            host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False
+            host,
+            port,
+            world,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            # The store owns the socket from here (it closes it with the server).
+            master_listen_fd=listener.detach(),
         )
-        agent.set(_STORE_KEY, f"{host}:{store.port}")
+        agent.set(_STORE_KEY, f"{host}:{port}")
     else:
         store = _connect_to_attempt_store(agent, world, timeout)
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=timeout, device_id=device_id
     )
+
+
+def _route_address(master: str) -> str:
+    """This host's address on the route to ``master``: the one its peers reach it by.
+
+    [Note: the attempt store binds one address]
+    ``TCPStore(host, 0, is_master=True)`` listens on every interface of the host, so a
+    store meant for the job's own ranks would also answer any network the host is on,
+    and its keys (the addresses of every rank) carry no authentication. The store binds
+    the one address the job needs instead: the source address of a route to
+    ``MASTER_ADDR`` (torchrun's own store, which every rank already reaches). On one
+    machine (``--standalone``, ``MASTER_ADDR=localhost``) that is loopback, so nothing
+    outside the machine can connect. A UDP ``connect`` sends no packet; it only asks the
+    kernel which local address the route would use.
+    """
+    try:
+        infos = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)
+    except OSError as exc:
+        raise CadenceRuntimeError(
+            f"cannot resolve MASTER_ADDR={master!r} to pick the address rank 0's store "
+            f"binds ({exc}); set MASTER_ADDR to a name or address every node resolves"
+        ) from exc
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect(addr)
+            except OSError:
+                continue
+            return str(probe.getsockname()[0])
+    raise CadenceRuntimeError(
+        f"no route from this host to MASTER_ADDR={master!r}, so rank 0's store has no "
+        "address its peers could reach; check MASTER_ADDR and the network"
+    )
+
+
+def _listen(host: str) -> socket.socket:
+    """A TCP socket listening on ``host`` alone, at a port the kernel picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def _connect_to_attempt_store(agent: dist.Store, world: int, timeout: timedelta) -> dist.Store:
