@@ -14,7 +14,9 @@ Which load is safe for what:
 * ``loads_signed``: payloads from producers that hold your key. It proves who made the
   payload and for which interpreter, before a byte is unpickled; it does not sandbox.
 * ``loads_restricted``: unsigned payloads from a peer you do not fully trust. Only the
-  globals an `Allowlist` names are resolved, so no code is built or called beyond them.
+  globals an `Allowlist` names are resolved, dotted names only through classes, and the
+  payload may change only the objects it created, so no code is built or called beyond
+  the allowed globals. It does not bound memory or time (docs/pickling.md).
 
 Nothing here needs torch; it only handles tensors when the caller has imported torch.
 See docs/pickling.md.
@@ -24,10 +26,12 @@ from cadence.pickling._errors import (
     EnvelopeError,
     ForbiddenGlobalError,
     IncompatiblePayloadError,
+    MalformedPayloadError,
     PrunedSlotWarning,
     RecursionDepthError,
     SignatureError,
     UnpicklableError,
+    UnsafeAllowlistError,
 )
 from cadence.pickling._lookup import (
     list_registry_pickle_by_value,
@@ -53,12 +57,14 @@ __all__ = [
     "EnvelopeError",
     "ForbiddenGlobalError",
     "IncompatiblePayloadError",
+    "MalformedPayloadError",
     "Pickler",
     "PrunedSlotWarning",
     "RecursionDepthError",
     "RestrictedUnpickler",
     "SignatureError",
     "UnpicklableError",
+    "UnsafeAllowlistError",
     "dump",
     "dumps",
     "dumps_signed",

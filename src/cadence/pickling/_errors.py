@@ -22,10 +22,12 @@ __all__ = [
     "EnvelopeError",
     "ForbiddenGlobalError",
     "IncompatiblePayloadError",
+    "MalformedPayloadError",
     "PrunedSlotWarning",
     "RecursionDepthError",
     "SignatureError",
     "UnpicklableError",
+    "UnsafeAllowlistError",
 ]
 
 
@@ -77,3 +79,27 @@ class ForbiddenGlobalError(CadenceError, pickle.UnpicklingError):
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         # The default reduce would rebuild it from ``args`` alone and lose the name.
         return type(self), (self.args[0], self.global_name)
+
+
+class MalformedPayloadError(CadenceError, pickle.UnpicklingError):
+    """Bytes a restricted load cannot read as a pickle: cut short, or an unknown opcode.
+
+    A length prefix that claims more bytes than the payload holds raises this before
+    anything of that length is allocated.
+    """
+
+
+class UnsafeAllowlistError(CadenceError, ValueError):
+    """An `Allowlist` that would admit code-running modules or globals, refused when built.
+
+    ``refused`` lists each refused pattern or global as written. A ``ValueError`` as well,
+    as the allowlist's other misuse errors are.
+    """
+
+    def __init__(self, message: str, refused: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+    def __reduce__(self) -> tuple[type, tuple[str, tuple[str, ...]]]:
+        # The default reduce would rebuild it from ``args`` alone and lose the entries.
+        return type(self), (self.args[0], self.refused)
