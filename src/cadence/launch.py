@@ -4,6 +4,11 @@ Each rank is a fresh interpreter (``python -m cadence._worker``), not a fork, so
 CUDA and gloo state never leak between ranks and ``__main__`` closures work:
 the function travels by value through `cadence.pickling`.
 
+Every rank of one launch gets the same fresh ``CADENCE_JOB_SECRET`` in its
+environment (see [Note: the job secret]) unless ``env`` sets one. The work folder the
+ranks read their function and arguments from (and unpickle) is a private temporary
+folder (mode 0700): nobody else can swap what a rank runs.
+
 Failure policy: the first rank that raises, dies or outlives the timeout stops
 every rank (SIGTERM, then SIGKILL after a short grace period), and the parent
 raises `LaunchError` naming that rank, with the remote traceback. Ranks are
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cadence import _job_secret
 from cadence.errors import CadenceRuntimeError, CadenceValueError
 
 __all__ = ["LaunchError", "RankFailure", "launch"]
@@ -117,7 +123,8 @@ def launch(
         init_process_group: initialise the default group (via ``cadence.init``)
             before calling ``fn``. Otherwise only the torchrun variables are set.
         num_threads: ``torch.set_num_threads`` in each rank (tests use 1).
-        env: extra environment variables for the ranks.
+        env: extra environment variables for the ranks. ``CADENCE_JOB_SECRET`` is a
+            new secret per launch unless set here.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -127,6 +134,8 @@ def launch(
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise CadenceValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    # mkdtemp makes the folder 0700, owned by this user, under a name nobody could
+    # guess and create first: ranks unpickle what is in it.
     with tempfile.TemporaryDirectory(prefix="cadence-launch-") as tmp:
         work = Path(tmp)
         (work / "payload.pkl").write_bytes(_dumps((fn, args, kwargs)))
@@ -140,6 +149,8 @@ def launch(
         (work / "header.pkl").write_bytes(pickle.dumps(header))
         port = _free_port()
         base_env = dict(os.environ)
+        # Every launch its own: an inherited one (a launch from inside a rank) is not.
+        base_env[_job_secret.ENV_VAR] = _job_secret.new()
         base_env.update(env or {})
         base_env.update(
             {

@@ -11,7 +11,9 @@ reaches: frozen state, code digests, watched values), `_key` (the cache key),
 `_artifact` (file format, signing, the cache directory), `_share` (the collectives),
 `_job` (one call's compile, load and cache steps), `_kernels` (the C++ kernel bundle),
 `_function` (the returned callable and its guard errors), `_torch_aot` (every use of
-torch internals, behind a feature test), `_errors`.
+torch internals, behind a feature test), `_errors`. The job secret that signs what
+ranks send each other is `cadence._job_secret`; the ownership checks of the cache
+directory are `cadence._owned`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import types
 from typing import Any
 
+from cadence._owned import UntrustedPathError
 from cadence.precompile._api import precompile, precompile_module
 from cadence.precompile._errors import (
     CacheRefusedWarning,
@@ -46,6 +49,7 @@ __all__ = [
     "PrecompileUsageError",
     "PrecompiledFunction",
     "RankMismatchError",
+    "UntrustedPathError",
     "precompile",
     "precompile_module",
     "reset_stats",

@@ -5,13 +5,29 @@ The steps of one call, on every rank of the group:
 1. Validate the arguments, walk the function (`_capture`) and refuse frozen state:
    local checks, before any compile or collective, so a misuse fails on every rank at
    once and none hangs.
-2. Build the cache key (`_key`) and look the artifact up in ``cache_dir``; a refused
-   artifact is a warning, never an error.
-3. One small all-gather: which ranks hit the cache, and whether all ranks built the
-   same key (if not, every rank raises `RankMismatchError` naming the differing fields).
+2. Open ``cache_dir`` (refused, never read, unless only this user controls it: see
+   [Note: precompile cache key file]), read ``CADENCE_JOB_SECRET``, build the cache
+   key (`_key`) and look the artifact up; a refused artifact is a warning, never an
+   error.
+3. One small all-gather: which ranks hit the cache, whether all ranks built the same
+   key (if not, every rank raises `RankMismatchError` naming the differing fields),
+   whether a rank refused its cache directory or its secret (then every rank raises,
+   see [Note: precompile refusals travel]) and which ranks have a job secret.
 4. If every rank hit, each loads its own file (``source == "cache"``). Otherwise rank
-   ``src`` compiles (or loads its hit) and broadcasts the artifact, the others wait
-   asleep (see [Note: precompile waiting ranks]) and load it (``"received"``).
+   ``src`` compiles (or loads its hit) and broadcasts the artifact, signed with the
+   job's secret ([Note: precompile transport key]); the others wait asleep (see
+   [Note: precompile waiting ranks]), verify it and load it (``"received"``).
+
+[Note: precompile refusals travel]
+A misuse is refused before any collective, because every rank makes the same one. An
+untrusted cache directory or a malformed ``CADENCE_JOB_SECRET`` is different: node-local
+folders and environments differ, so one rank may refuse while the others go on to the
+first collective and would wait there until the group's timeout. So such a refusal is
+not raised at once: it rides in the first gather, and then every rank raises, the
+refusing rank its own error and the others the same type naming that rank. An untrusted
+directory is raised, not skipped with a warning: the caller asked for a cache, and the
+fix (a private folder) is theirs to make; compiling quietly without one would hide that
+someone else can write where they keep code.
 """
 
 from __future__ import annotations
@@ -26,16 +42,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cadence import _job_secret
+from cadence._owned import UntrustedPathError
 from cadence.comm import EventLog
+from cadence.errors import CadenceValueError
 from cadence.fsdp._trace import refusal, traced_forward
-from cadence.precompile._artifact import (
-    TRANSPORT_KEY,
-    ArtifactCache,
-    ArtifactRefused,
-    check,
-    decode,
-    encode,
-)
+from cadence.precompile._artifact import ArtifactCache, ArtifactRefused, check, decode, encode
 from cadence.precompile._capture import Capture
 from cadence.precompile._errors import (
     CacheRefusedWarning,
@@ -108,8 +120,51 @@ def _validate(
 # ---------------------------------------------------------------------------------------
 
 
-def _agree(channel: Channel, key: Key, hit: bool) -> list[dict[str, Any]]:
-    everyone = channel.gather({"hit": hit, "fields": key.field_digests()})
+_REFUSALS: dict[str, type[Exception]] = {
+    "UntrustedPathError": UntrustedPathError,
+    "PrecompileUsageError": PrecompileUsageError,
+}
+_TRANSPORT_SIGNER = f"another job secret (is {_job_secret.ENV_VAR} the same on every rank?)"
+
+
+def _agree(
+    channel: Channel,
+    key: Key,
+    hit: bool,
+    refused: tuple[str, Exception] | None,
+    has_secret: bool,
+) -> list[dict[str, Any]]:
+    """The first gather; raises on every rank what any rank refused.
+
+    ``refused`` is what this rank refused locally (its cache directory or its secret),
+    raised only after the others heard of it: see [Note: precompile refusals travel].
+    """
+    everyone = channel.gather(
+        {
+            "hit": hit,
+            "fields": key.field_digests(),
+            "refused": None
+            if refused is None
+            else [refused[0], type(refused[1]).__name__, str(refused[1])],
+            "secret": has_secret,
+        }
+    )
+    if refused is not None:
+        raise refused[1]
+    for rank, e in enumerate(everyone):
+        if e["refused"] is not None:
+            what, kind, message = e["refused"]
+            raise _REFUSALS.get(kind, PrecompileUsageError)(
+                f"group rank {rank} refused its {what}: {message}"
+            )
+    with_secret = [r for r, e in enumerate(everyone) if e["secret"]]
+    if 0 < len(with_secret) < len(everyone):
+        without = [r for r, e in enumerate(everyone) if not e["secret"]]
+        raise PrecompileUsageError(
+            f"precompile({key.name}): {_job_secret.ENV_VAR} is set on group ranks "
+            f"{with_secret} but not on {without}, so they cannot agree on the key that "
+            f"signs the artifact; {_job_secret.FIX}"
+        )
     reference = everyone[channel.src]["fields"]
     differing = {
         rank: sorted(
@@ -153,7 +208,9 @@ def precompile(
         group: the ranks sharing one compile: a process group, a `ParallelGroups`
             (its data-parallel group: one compile per pipeline stage), or None (the
             world if torch.distributed is initialized, else this process alone).
-        cache_dir: a directory for signed artifacts; see docs/precompile.md.
+        cache_dir: a directory for signed artifacts, which only you may write (else
+            `UntrustedPathError`, naming the fix, on every rank); see
+            docs/precompile.md.
         src: the group rank that compiles.
         on_guard_failure: ``"raise"`` a `GuardFailureError` naming the guard when a
             call differs from the example inputs, or ``"compile"`` a new variant on
@@ -184,16 +241,15 @@ def precompile(
     world = 1 if channel is None else channel.world_size
     if not isinstance(src, int) or not 0 <= src < world:
         raise PrecompileUsageError(f"src must be a group rank in [0, {world}), got {src!r}")
-    cache = None
-    if cache_dir is not None:
+    cache, refused = _open_cache(cache_dir)
+    secret = None
+    if channel is not None and refused is None:
         try:
-            cache = ArtifactCache(cache_dir)
-        except OSError as exc:
-            warnings.warn(
-                f"precompile: cache directory {cache_dir} is unusable ({exc}); not caching",
-                CacheRefusedWarning,
-                stacklevel=2,
-            )
+            secret = _job_secret.from_env()
+        except CadenceValueError as exc:
+            refused = ("job secret", PrecompileUsageError(f"precompile: {exc}"))
+    if refused is not None and channel is None:
+        raise refused[1]
     job = Job(fn, opts, cache, ship_kernels=bool(ship_kernels))
     args = (*job.bound, *example_args)
     kwargs = dict(example_kwargs or {})
@@ -207,13 +263,15 @@ def precompile(
         else:
             variant, source = job.compile_and_save(key, args, kwargs, cap)[0], "compiled"
     else:
-        everyone = _agree(channel, key, found is not None)
+        everyone = _agree(channel, key, found is not None, refused, secret is not None)
         if found is not None and all(e["hit"] for e in everyone):
             variant, source, _ = job.load_or_compile(found, key, args, kwargs, cap, "cache")
-        elif channel.rank == src:
-            variant, source = _send(channel, job, key, found, args, kwargs, cap)
         else:
-            variant, source = _receive(channel, job, key, found, args, kwargs, cap)
+            signing = secret if secret is not None else channel.group_secret()
+            if channel.rank == src:
+                variant, source = _send(channel, signing, job, key, found, args, kwargs, cap)
+            else:
+                variant, source = _receive(channel, signing, job, key, found, args, kwargs, cap)
     return PrecompiledFunction(
         fn,
         job.bound,
@@ -224,6 +282,26 @@ def precompile(
         timings=job.timings,
         cache_path=str(cache.path(key)) if cache is not None else None,
     )
+
+
+def _open_cache(
+    cache_dir: str | os.PathLike[str] | None,
+) -> tuple[ArtifactCache | None, tuple[str, Exception] | None]:
+    """The cache, or None; and the refusal of an untrusted directory, to be raised on
+    every rank (see [Note: precompile refusals travel])."""
+    if cache_dir is None:
+        return None, None
+    try:
+        return ArtifactCache(cache_dir), None
+    except UntrustedPathError as exc:
+        return None, ("cache", exc)
+    except OSError as exc:  # a read-only or missing disk: compile without a cache
+        warnings.warn(
+            f"precompile: cache directory {cache_dir} is unusable ({exc}); not caching",
+            CacheRefusedWarning,
+            stacklevel=3,
+        )
+        return None, None
 
 
 def _refuse_fully_shard(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -239,6 +317,7 @@ def _refuse_fully_shard(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 def _send(
     channel: Channel,
+    signing: bytes,
     job: Job,
     key: Key,
     found: Artifact | None,
@@ -257,7 +336,7 @@ def _send(
             variant, header, sections = job.compile_and_save(key, args, kwargs, cap)
             source = "compiled"
         result.append((variant, source))
-        return encode(header, sections, TRANSPORT_KEY)
+        return encode(header, sections, signing)
 
     channel.send(produce)
     return result[0]
@@ -265,6 +344,7 @@ def _send(
 
 def _receive(
     channel: Channel,
+    signing: bytes,
     job: Job,
     key: Key,
     found: Artifact | None,
@@ -279,7 +359,7 @@ def _receive(
     if found is not None:  # a hit of our own (a node-local cache): no need for theirs
         return job.load_or_compile(found, key, args, kwargs, cap, "cache")[:2]
     try:
-        received = check(decode(data, TRANSPORT_KEY), key)
+        received = check(decode(data, signing, other_key=_TRANSPORT_SIGNER), key)
     except ArtifactRefused as exc:
         why = f"the artifact rank {channel.src} sent was refused ({exc.reason})"
         return job.compile_here(why, key, args, kwargs, cap)[:2]

@@ -23,11 +23,21 @@ never stale code.
 The HMAC key is 32 random bytes in ``<cache_dir>/.cadence-precompile.key`` (mode
 0600), created on first use, atomically, by whichever process gets there first. It
 makes corruption and truncation detectable and keeps artifacts from another cache
-directory (another key) or written by anyone who cannot read the key file from being
-loaded. It cannot stop someone who can read the key: loading an artifact runs its code
-(pickle, and on CPU the C++ kernels it compiles), so a cache directory must be as
-trusted as the code it holds. Artifacts broadcast between ranks of one job travel with
-a fixed transport key: there the tag is a checksum, the job's own ranks are trusted.
+directory (another key) from being loaded. A tag proves only that the file was signed
+by someone holding the key file, so the key is worth exactly as much as the control
+over that file: someone who can write the directory need not read the key, they can
+rename it away and put their own (or a symlink to theirs) in its place, then sign an
+artifact with it, and loading an artifact runs its code (pickle, and on CPU the C++
+kernels it compiles). So `ArtifactCache` trusts the directory and the key only when
+the current user alone controls them (`cadence._owned`, [Note: trusting a key on
+disk]): the directory is owned by the user and writable by nobody else, every folder
+above it is the user's or root's and, if others may write it, sticky; the key is a
+regular file, not a symlink, owned by the user, mode 0600, checked on the open
+descriptor. Otherwise it raises `UntrustedPathError` naming the path and the fix, and
+nothing is read from the directory or written to it. The path is resolved first, so a
+symlink to a private folder (``~/.cache`` on another disk) works: every check applies
+to the real folder. What it cannot stop is the user's own account, or root: a cache
+directory holds code and is as trusted as its owner.
 """
 
 from __future__ import annotations
@@ -37,7 +47,6 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
 import socket
 import struct
 import tempfile
@@ -45,11 +54,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cadence._owned import make_private_dir, read_or_create_key
 from cadence.precompile._key import FORMAT_VERSION, Key
 
 __all__ = [
     "KEY_FILE",
-    "TRANSPORT_KEY",
     "ArtifactCache",
     "ArtifactRefused",
     "check",
@@ -60,7 +69,6 @@ __all__ = [
 
 MAGIC = b"CDNCAOT\x00"
 DOMAIN = b"cadence.precompile.artifact/v1\x00"
-TRANSPORT_KEY = b"cadence.precompile.transport"
 KEY_FILE = ".cadence-precompile.key"
 _PREFIX = struct.Struct(">8sHI")
 _TAG = 32
@@ -86,8 +94,14 @@ def encode(header: dict[str, Any], sections: dict[str, bytes], key: bytes) -> by
     return body + hmac.new(key, DOMAIN + body, hashlib.sha256).digest()
 
 
-def decode(data: bytes, key: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """Verify ``data`` and split it; raises `ArtifactRefused` before any unpickling."""
+def decode(
+    data: bytes, key: bytes, *, other_key: str = "another cache's key"
+) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """Verify ``data`` and split it; raises `ArtifactRefused` before any unpickling.
+
+    ``other_key`` names, in the refusal, whose key a valid-looking artifact that does
+    not verify was probably signed with.
+    """
     if len(data) < _PREFIX.size + _TAG:
         raise ArtifactRefused(f"corrupt: {len(data)} bytes is shorter than any artifact")
     magic, fmt, hlen = _PREFIX.unpack_from(data)
@@ -103,7 +117,7 @@ def decode(data: bytes, key: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
     if not hmac.compare_digest(hmac.new(key, DOMAIN + body, hashlib.sha256).digest(), tag):
         raise ArtifactRefused(
             "corrupt: the signature does not verify (truncated, edited, or signed with "
-            "another cache's key)"
+            f"{other_key})"
         )
     try:
         header = json.loads(body[_PREFIX.size : _PREFIX.size + hlen])
@@ -119,33 +133,18 @@ def decode(data: bytes, key: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
     return header, sections
 
 
-def _read_or_create_key(directory: Path) -> bytes:
-    path = directory / KEY_FILE
-    if not path.exists():
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".key-")
-        try:
-            os.write(fd, secrets.token_bytes(32))
-            os.close(fd)
-            os.chmod(tmp, 0o600)
-            # link() fails if another process created the key first: theirs wins.
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp, path)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    key = path.read_bytes()
-    if len(key) < 16:
-        raise OSError(f"{path} holds {len(key)} bytes; delete it to make a new key")
-    return key
-
-
 class ArtifactCache:
-    """Artifacts in one directory, signed with that directory's key."""
+    """Artifacts in one directory, signed with that directory's key.
+
+    Raises `cadence._owned.UntrustedPathError` when someone other than the current user
+    could have written the directory or the key; see [Note: precompile cache key file].
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        self.directory = Path(directory).expanduser().resolve()
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.key = _read_or_create_key(self.directory)
+        self.directory = make_private_dir(
+            Path(directory).expanduser().resolve(), "the precompile cache directory"
+        )
+        self.key = read_or_create_key(self.directory / KEY_FILE, "the precompile cache key")
 
     def path(self, key: Key) -> Path:
         return self.directory / key.filename()

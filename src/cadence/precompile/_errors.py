@@ -26,7 +26,9 @@ class PrecompileError(CadenceError, RuntimeError):
 
 
 class PrecompileUsageError(CadenceError, ValueError, TypeError):
-    """A precompile argument is invalid; raised before any compile or collective."""
+    """A precompile argument or setting is invalid; raised before any compile, and before
+    any collective unless it may differ between ranks (``CADENCE_JOB_SECRET``): that is
+    raised on every rank after the first gather."""
 
 
 class FrozenStateError(PrecompileError, ValueError):

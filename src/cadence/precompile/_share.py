@@ -16,19 +16,36 @@ watchdog would abort the job). So:
 
 The heartbeat thread is joined before ``src`` sends the final status, so the order of
 collectives is the same on every rank.
+
+[Note: precompile transport key]
+The artifact ``src`` broadcasts is signed, and a receiving rank verifies the tag
+before it unpickles a byte, with the job's secret ([Note: the job secret]): from
+``CADENCE_JOB_SECRET`` when every rank has it (`cadence.launch` sets it), otherwise
+drawn by ``src`` (32 random bytes) and broadcast to the group before the first
+artifact, once per process group (`Channel.group_secret`). The second way keeps out
+anyone who cannot see the group's traffic, no more: whoever can read it learns the
+secret, whoever can write into it could already feed torch.distributed anything. Ranks
+must agree on which way, or one would wait for an exchange the others skip, so every
+rank reports whether it has the variable in the first gather, and a group that
+disagrees is refused on every rank. That gather itself carries JSON, not a pickle: no
+rank unpickles anything a peer sent before a tag has verified.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
+import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from cadence._job_secret import SECRET_BYTES
 from cadence.comm import Comm, EventLog
 from cadence.precompile._errors import PrecompileError
 
@@ -37,6 +54,9 @@ __all__ = ["HEARTBEAT_S", "Channel"]
 HEARTBEAT_S = 10.0
 _COMPILING, _READY, _FAILED = 0, 1, 2
 _POLL_MIN_S, _POLL_MAX_S = 0.001, 0.05
+# The secret each process group agreed on without CADENCE_JOB_SECRET; dropped with the
+# group. See [Note: precompile transport key].
+_GROUP_SECRETS: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
 
 
 def _sleep_until_done(work: Any) -> None:
@@ -51,6 +71,7 @@ class Channel:
     """The collectives of one precompile call, over one group (group ranks throughout)."""
 
     def __init__(self, group: Any, src: int, event_log: EventLog | None) -> None:
+        self.group = group
         self.comm = Comm(group, event_log=event_log, name="precompile")
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
@@ -60,8 +81,36 @@ class Channel:
             torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         )
 
-    def gather(self, obj: Any) -> list[Any]:
-        return self.comm.all_gather_object(obj)
+    def gather(self, obj: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's ``obj``, as JSON: nothing a peer sends here is unpickled."""
+        data = json.dumps(obj, sort_keys=True).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        self.comm.all_gather_single(sizes, size)
+        longest = int(sizes.max())
+        mine = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = torch.empty(longest * self.world_size, dtype=torch.uint8, device=self.device)
+        self.comm.all_gather_single(every, mine)
+        every = every.cpu().contiguous()
+        raw = ctypes.string_at(every.data_ptr(), every.numel())
+        return [
+            json.loads(raw[r * longest : r * longest + int(n)])
+            for r, n in enumerate(sizes.tolist())
+        ]
+
+    def group_secret(self) -> bytes:
+        """The secret this group agreed on: drawn by ``src`` and broadcast the first time.
+
+        A collective the first time for a group; every rank must call it at the same
+        point. See [Note: precompile transport key].
+        """
+        known = _GROUP_SECRETS.get(self.group)
+        if known is None:
+            mine = secrets.token_bytes(SECRET_BYTES) if self.rank == self.src else None
+            known = self._bytes(mine, SECRET_BYTES)
+            _GROUP_SECRETS[self.group] = known
+        return known
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         _sleep_until_done(self.comm.broadcast(tensor, src=self.src, async_op=True))
