@@ -87,6 +87,27 @@ class LaunchError(CadenceRuntimeError):
         return "\n".join(lines)
 
 
+def _loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux, "lo0" on BSD and macOS), if any.
+
+    [Note: a local launch listens on loopback]
+    Every rank of `launch` runs on this machine, yet gloo binds its listening sockets to
+    the address this host's name resolves to, which on a cluster node is the address
+    other machines reach. A peer there could connect to a rank's pairs (gloo does not
+    authenticate them). ``GLOO_SOCKET_IFNAME`` set to the loopback interface keeps every
+    socket of the job on the machine. A value the caller set (in the environment or
+    ``env``) wins: that caller knows the network. NCCL's sockets are left to NCCL's own
+    variables: its bootstrap is untested here without a GPU.
+    """
+    if not hasattr(socket, "if_nameindex"):
+        return None
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -163,6 +184,9 @@ def launch(
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        loopback = _loopback_interface()
+        if loopback is not None:  # see [Note: a local launch listens on loopback]
+            base_env.setdefault("GLOO_SOCKET_IFNAME", loopback)
         if num_threads is not None:
             base_env["OMP_NUM_THREADS"] = str(num_threads)
         procs: list[subprocess.Popen[bytes]] = []

@@ -1,6 +1,10 @@
-"""The store rank 0 hosts for a torchrun attempt listens on one address, not every one.
+"""cadence's ranks listen on the addresses their job needs, not on every interface.
 
-Specification (see [Note: the attempt store binds one address]):
+Specification (see [Note: the attempt store binds one address] and [Note: a local
+launch listens on loopback]):
+- every socket a `cadence.launch` rank listens on (gloo's pairs) is on loopback, and
+  the ranks' environment names the loopback interface for gloo unless the caller
+  named another;
 - under torchrun's agent store with ``MASTER_ADDR=localhost`` (one machine), the attempt
   store rank 0 publishes is on loopback, and the kernel lists its port as listening on
   loopback only, not on the wildcard address;
@@ -19,6 +23,7 @@ import pytest
 
 from cadence._dist_init import _route_address
 from cadence.errors import CadenceRuntimeError
+from cadence.launch import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +55,53 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket table")
+def _listening_addresses() -> list[str]:
+    """Local addresses (as /proc spells them) of the TCP sockets this process listens on."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        target = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN; column 9: inode
+                found.append(cols[1].rsplit(":", 1)[0])
+    return found
+
+
+def _rank_listeners() -> dict[str, object]:
+    import torch.distributed as dist
+
+    dist.barrier()  # every pair is connected: gloo has bound its sockets
+    return {"ifname": os.environ.get("GLOO_SOCKET_IFNAME"), "listening": _listening_addresses()}
+
+
+_LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+_SKIP_NO_PROC = pytest.mark.skipif(
+    not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket table"
+)
+
+
+@_SKIP_NO_PROC
+def test_a_local_launch_listens_on_loopback_only() -> None:
+    for out in launch(_rank_listeners, nprocs=2, timeout=60, num_threads=1):
+        assert out["ifname"] in ("lo", "lo0")
+        assert out["listening"] and set(out["listening"]) <= _LOOPBACK, out
+
+
+def _gloo_ifname() -> str | None:
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def test_an_interface_the_caller_names_wins() -> None:
+    env = {"GLOO_SOCKET_IFNAME": "ib7"}  # no group is made: the name need not exist
+    (named,) = launch(_gloo_ifname, nprocs=1, timeout=60, env=env, init_process_group=False)
+    assert named == "ib7"
+
+
+@_SKIP_NO_PROC
 def test_the_attempt_store_listens_on_loopback_only_on_one_machine() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RANK"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
