@@ -108,6 +108,27 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     return out
 
 
+def _run_torchrun_rank(cfg: TrainConfig) -> dict[str, Any]:
+    """`run_rank` in a process torchrun started, leaving the process group it made.
+
+    [Note: a torchrun rank leaves its process group before it exits]
+    `cadence.launch` ends each rank with ``destroy_process_group`` and ``os._exit``;
+    under torchrun the rank returns through the interpreter's shutdown instead. Left
+    to that shutdown, the gloo group, its pairs and the store client are torn down in
+    whatever order the garbage collector picks, while the peers (and rank 0's attempt
+    store) exit at their own pace, and a rank of a restarted attempt was seen to abort
+    there ("terminate called without an active exception", exit -6) after a run that
+    had finished. So the group this call made is destroyed here, on every path; a
+    group the caller made before calling `train` is the caller's to destroy.
+    """
+    made_here = not dist.is_initialized()
+    try:
+        return run_rank(cfg)
+    finally:
+        if made_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _tensorboard(cfg: TrainConfig, start: int) -> Any:
     """Rank 0's TensorBoard writer. After a resume, ``purge_step`` drops the points a
     lost attempt logged past the checkpoint, so the curve has one point per step."""
@@ -142,7 +163,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 flush=True,
             )
     if under_torchrun:
-        result = run_rank(cfg)
+        result = _run_torchrun_rank(cfg)
         if int(os.environ["RANK"]) != 0:
             return {}
     else:
