@@ -11,23 +11,41 @@
 Building the parser imports no torch; a subcommand imports what it needs when it
 runs, so ``cadence schedule show`` and ``cadence --help`` work where torch is not
 installed.
+
+[Note: one line per error]
+A refused input is a message for the person who typed it, not a bug report: `main`
+prints one line on stderr, ``cadence <command>: error: <message>``, naming the flag or
+config key, the value and the fix, and returns 2 (argparse's status for a usage
+error). That covers argparse's own errors (the parsers raise instead of printing
+the usage and exiting), a config file's, and every `CadenceError` that says an
+input was refused (the ones that are also a ``ValueError`` or ``TypeError``). A run
+that fails after it started (a rank raised, died or hung: `LaunchError`; a
+checkpoint could not be written; an ``OSError``) is one line too, with status 1 and
+a pointer to ``--debug``. ``--debug``, before or after the subcommand, re-raises
+instead: Python prints the whole traceback (a rank's own is in the `LaunchError`'s
+message), and ``python -m pdb -m cadence ...`` stops there. Anything else is a bug
+in cadence and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from cadence.bench._run import KINDS as BENCH_KINDS  # torch-free, like this parser
-from cadence.errors import CadenceValueError
+from cadence.errors import CadenceError, CadenceValueError
+from cadence.launch import LaunchError
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import SCHEDULE_NAMES
-from cadence.train.config import TrainConfig
+from cadence.train.config import TrainConfig, model_from_flags
+from cadence.train.preflight import preflight
 
 __all__ = [
+    "UsageError",
     "add_bench_subcommand",
     "add_schedule_subcommand",
     "add_train_subcommand",
@@ -36,12 +54,39 @@ __all__ = [
 ]
 
 
-def build_parser(train_defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
+class UsageError(CadenceValueError):
+    """A command line the ``cadence`` parser cannot parse (argparse's error)."""
+
+    def __init__(self, message: str, prog: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Raises `UsageError` where argparse would print the usage and exit, so that
+    `main` reports it in one line (see [Note: one line per error])."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}; see '{self.prog} --help'", self.prog)
+
+
+def build_parser(
+    train_defaults: dict[str, Any] | None = None, *, one_line_errors: bool = False
+) -> argparse.ArgumentParser:
     """The ``cadence`` parser; ``train_defaults`` (from ``--config``) replace the
-    defaults of ``cadence train``, so flags on the command line still win."""
-    parser = argparse.ArgumentParser(
+    defaults of ``cadence train``, so flags on the command line still win. With
+    ``one_line_errors`` a bad command line raises `UsageError` (as `main` wants)
+    instead of printing the usage and exiting (argparse's way)."""
+    cls = _OneLineParser if one_line_errors else argparse.ArgumentParser
+    parser = cls(
         prog="cadence",
         description="Distributed training in which the caller owns the timing.",
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, raise it with Python's full traceback instead of one line "
+        "(also accepted after the subcommand)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_train_subcommand(sub, train_defaults)
@@ -50,19 +95,93 @@ def build_parser(train_defaults: dict[str, Any] | None = None) -> argparse.Argum
     return parser
 
 
+def _add_debug(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` after the subcommand too. SUPPRESS: unless given here, the
+    subcommand leaves the value the top-level parser set."""
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on an error, show Python's full traceback instead of one line",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``cadence ARGV`` and return its exit status: 0, 1 when a run failed, 2 when
+    the input was refused (one line on stderr; see [Note: one line per error])."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(_config_file_defaults(argv)).parse_args(argv)
+    parsed: list[argparse.Namespace] = []
+    try:
+        return _run(argv, parsed)
+    except (CadenceError, OSError) as exc:
+        before_end = argv[: argv.index("--")] if "--" in argv else argv
+        if "--debug" in before_end or any(getattr(a, "debug", False) for a in parsed):
+            raise
+        refused = isinstance(exc, (ValueError, TypeError)) and isinstance(exc, CadenceError)
+        prog = exc.prog if isinstance(exc, UsageError) else _prog(argv)
+        line = f"{prog}: error: {_summary(exc)}{_dash_hint(argv, exc)}"
+        if not refused:
+            line += " (--debug shows the full traceback)"
+        print(line, file=sys.stderr)
+        return 2 if refused else 1
+
+
+def _run(argv: list[str], parsed: list[argparse.Namespace]) -> int:
+    args = build_parser(_config_file_defaults(argv), one_line_errors=True).parse_args(argv)
+    parsed.append(args)
     return int(args.func(args) or 0)
+
+
+def _dash_hint(argv: list[str], exc: BaseException) -> str:
+    """argparse reads ``--lr -inf`` as two flags: say how to pass such a value."""
+    if not isinstance(exc, UsageError) or "expected one argument" not in str(exc):
+        return ""
+    for flag, value in itertools.pairwise(argv):
+        if f"argument {flag}:" in str(exc) and value.startswith("-"):
+            return f" ({value!r} looks like a flag: write {flag}={value})"
+    return ""
+
+
+def _prog(argv: list[str]) -> str:
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return f"cadence {command}" if command in ("train", "schedule", "bench") else "cadence"
+
+
+def _flat(text: str) -> str:
+    """``text`` on one line: its lines (any line break str.splitlines knows) joined."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _summary(exc: BaseException) -> str:
+    if isinstance(exc, LaunchError):
+        f = exc.failure
+        if f.reason == "raised":
+            head = f"rank {f.rank} raised {f.exc_type}: {_flat(f.message)}"
+        elif f.reason == "timeout":
+            head = (
+                f"rank {f.rank} did not finish within the launch timeout ({f.message}; the "
+                "[train] timeout key of --config); it may be hung in a collective"
+            )
+        else:
+            head = (
+                f"rank {f.rank} exited with code {f.exit_code} without raising a Python "
+                f"exception ({_flat(f.message)})"
+            )
+        others = "".join(f"; rank {o.rank} {o.reason}" for o in exc.others)
+        return f"{head}; every rank was stopped{others}"
+    return _flat(str(exc)) or type(exc).__name__
 
 
 def _config_file_defaults(argv: list[str]) -> dict[str, Any] | None:
     """``cadence train --config FILE``: the file's values as parser defaults."""
-    if not argv or argv[0] != "train":
+    rest = list(argv)
+    while rest and rest[0] == "--debug":
+        rest.pop(0)
+    if not rest or rest[0] != "train":
         return None
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _OneLineParser(prog="cadence train", add_help=False)
     pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv[1:])
+    known, _ = pre.parse_known_args(rest[1:])
     if known.config is None:
         return None
     from cadence.train.config_file import read_config_file
@@ -164,6 +283,12 @@ def add_train_subcommand(
         "them (every RUN_DIR/checkpoints/step-<N>) before the run starts; not with --resume",
     )
     p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="with --resume: you vouch for --run-dir, so the checkpoint's signature is not "
+        "checked (another user's or machine's, or an older cadence's); its hashes still are",
+    )
+    p.add_argument(
         "--collective-timeout",
         type=float,
         default=d.collective_timeout,
@@ -180,6 +305,7 @@ def add_train_subcommand(
         action="store_true",
         help="also write TensorBoard event files to RUN_DIR/tensorboard",
     )
+    _add_debug(p)
     # Options without a flag (a config file may set them), and the file's model shape.
     p.set_defaults(func=_train, timeout=d.timeout, model_base=d.model)
     p.set_defaults(**(defaults or {}))
@@ -187,13 +313,15 @@ def add_train_subcommand(
 
 
 def _train(args: argparse.Namespace) -> int:
-    from cadence.train.run import train  # imports torch: only when training runs
-
-    model = dataclasses.replace(args.model_base, d_model=args.d_model, n_layers=args.layers)
+    model = model_from_flags(args.model_base, args.d_model, args.layers)
     values = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"
     }
-    train(TrainConfig(**values, model=model))
+    cfg = TrainConfig(**values, model=model)
+    preflight(cfg)  # what this machine must give the run, before any rank starts
+    from cadence.train.run import train  # imports torch: only when training runs
+
+    train(cfg)
     return 0
 
 
@@ -203,6 +331,7 @@ def _train(args: argparse.Namespace) -> int:
 def add_schedule_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``schedule show`` and ``schedule compare`` to an argparse sub-parser collection."""
     parser = subparsers.add_parser("schedule", help="inspect pipeline schedules (no process group)")
+    _add_debug(parser)
     sub = parser.add_subparsers(dest="schedule_command", required=True)
     show = sub.add_parser("show", help="ASCII grid, PNG and simulator statistics of a schedule")
     show.add_argument("name", help=f"{', '.join(SCHEDULE_NAMES)}, or a .csv/.json file")
@@ -214,6 +343,7 @@ def add_schedule_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     show.add_argument("--out", type=Path, default=None, help="write a PNG here (needs matplotlib)")
     show.add_argument("--trace", type=Path, default=None, help="write a Chrome trace JSON here")
     show.add_argument("--mode", default="per_directed_edge", choices=list(CHANNEL_MODES))
+    _add_debug(show)
     show.set_defaults(func=_schedule_show)
     cmp = sub.add_parser(
         "compare",
@@ -229,6 +359,7 @@ def add_schedule_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     cmp.add_argument(
         "--chunks", type=int, default=None, help="v of the looped schedules (default 2)"
     )
+    _add_debug(cmp)
     cmp.set_defaults(func=_schedule_compare)
     return parser
 
@@ -285,6 +416,7 @@ def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--docs", type=Path, default=None, help="with 'report': the page (docs/benchmarks.md)"
     )
+    _add_debug(parser)
     parser.set_defaults(func=_bench)
     return parser
 

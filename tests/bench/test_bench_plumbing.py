@@ -134,9 +134,11 @@ def test_cli_report_and_refusal(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_cli_refuses_options_that_do_not_apply(tmp_path: Path) -> None:
     with pytest.raises(CadenceValueError, match="--quick applies to a comparison"):
-        main(["bench", "report", "--quick", "--results", str(tmp_path)])
+        main(["--debug", "bench", "report", "--quick", "--results", str(tmp_path)])
     with pytest.raises(CadenceValueError, match="--docs applies to 'cadence bench report' only"):
-        main(["bench", "dp", "--docs", str(tmp_path / "x.md"), "--results", str(tmp_path)])
+        main(
+            ["--debug", "bench", "dp", "--docs", str(tmp_path / "x.md"), "--results", str(tmp_path)]
+        )
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 

@@ -14,21 +14,35 @@ an "unset" default (``schedule=""``, ``microbatches=0``, ``chunks=0``,
 ``--schedule`` without ``--pp``, ``--bucket-cap-mb`` with ``--fsdp``, or
 ``--finalize manual`` with ``--pp`` (there the schedule's REDUCE_GRAD and
 WAIT_REDUCE_GRAD actions decide when reductions finish).
+
+Each value is checked on its own first, against a rule derived from its annotation
+(`RULES`, `MODEL_RULES`; see [Note: a value is refused where it is given, not where
+it breaks] in `cadence.train._rules`), then in combination with the others.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from cadence.errors import CadenceError
 from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import canonical_name, default_chunks, generate
+from cadence.pipeline.schedule.ir import ScheduleValidationError
+from cadence.train._rules import ValueRule, derive_rules, text_problem
 
-__all__ = ["Layout", "TrainConfig", "TrainConfigError"]
+__all__ = [
+    "MODEL_RULES",
+    "RULES",
+    "Layout",
+    "TrainConfig",
+    "TrainConfigError",
+    "model_from_flags",
+    "option_name",
+]
 
 Wrapper = Literal["DataParallel", "fully_shard", "none"]
 # Used when --bucket-cap-mb is not given: small buckets, so the tiny model gets
@@ -142,34 +156,25 @@ class TrainConfig:
     """Start over in a ``run_dir`` that holds an earlier run's checkpoints: they are
     deleted before any rank starts (every ``step-<N>`` folder, whatever run wrote it).
     Not with ``resume``."""
+    trust_checkpoint: bool = False
+    """With ``resume``: the user vouches for ``run_dir``, so the checkpoint's signature
+    is not checked (one written by another user or machine, or by a cadence from
+    before signatures); its content hashes, where it has them, still are."""
 
     def __post_init__(self) -> None:
         err = TrainConfigError
-        if self.finalize not in ("auto", "manual"):
-            raise err(f"--finalize must be auto or manual, got {self.finalize!r}")
-        if self.mixed_precision not in ("none", "bf16"):
-            raise err(f"--mixed-precision must be none or bf16, got {self.mixed_precision!r}")
+        for name, rule in RULES.items():
+            _check(option_name(name), rule, getattr(self, name))
+        problem = text_problem(self.run_dir)
+        if problem:
+            raise err(f"--run-dir {self.run_dir!r} {problem}")
+        _check_model(self.model)
         if self.mixed_precision != "none" and not self.fsdp:
             raise err("--mixed-precision needs --fsdp (DataParallel keeps fp32 params)")
-        if self.nproc < 1 or self.steps < 1 or self.batch_size < 1:
-            raise err("--nproc, --steps and --batch-size must be >= 1")
-        if self.pp < 1:
-            raise err("--pp must be >= 1")
-        if self.microbatches < 0 or self.chunks < 0:
-            raise err("--microbatches and --chunks must be >= 0 (0 picks the default)")
-        if self.dp_replicate < 1:
-            raise err(f"--dp-replicate must be >= 1, got {self.dp_replicate}")
         if self.dp_replicate > 1 and not self.fsdp:
             raise err(
                 "--dp-replicate (HSDP) needs --fsdp: DataParallel replicates every rank already"
             )
-        if self.channel_mode and self.channel_mode not in CHANNEL_MODES:
-            raise err(
-                f"--channel-mode must be one of {', '.join(CHANNEL_MODES)}, "
-                f"got {self.channel_mode!r}"
-            )
-        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
-            raise err(f"--bucket-cap-mb must be > 0, got {self.bucket_cap_mb}")
         self._check_checkpointing()
         self.layout()  # everything that depends on the world size
 
@@ -180,10 +185,6 @@ class TrainConfig:
                 "--tensorboard needs the tensorboard package, which torch.utils.tensorboard "
                 "writes through: pip install tensorboard (or drop the flag)"
             )
-        if self.collective_timeout <= 0:
-            raise err(f"--collective-timeout must be > 0 seconds, got {self.collective_timeout}")
-        if self.checkpoint_every < 0 or self.keep < 0:
-            raise err("--checkpoint-every and --keep must be >= 0 (0: never / keep all)")
         if not self.checkpoint_every:
             unused = [
                 flag
@@ -209,6 +210,8 @@ class TrainConfig:
                 "--resume continues the checkpoints in --run-dir and --overwrite deletes them: "
                 "give one of the two"
             )
+        if self.trust_checkpoint and not self.resume:
+            raise err("--trust-checkpoint vouches for the checkpoint --resume loads: add --resume")
 
     @property
     def world_size(self) -> int:
@@ -271,7 +274,10 @@ class TrainConfig:
                 "--finalize manual needs --pp 1: in a pipeline the schedule's REDUCE_GRAD "
                 "and WAIT_REDUCE_GRAD actions decide when each stage's reduction finishes"
             )
-        name = canonical_name(self.schedule or "1f1b")
+        try:
+            name = canonical_name(self.schedule or "1f1b")
+        except ScheduleValidationError as exc:
+            raise ScheduleValidationError(f"--schedule {self.schedule!r}: {exc}") from exc
         v = self.chunks or default_chunks(name)
         m = self.microbatches or 2 * self.pp
         if self.batch_size % (dp * m):
@@ -287,5 +293,108 @@ class TrainConfig:
             )
         # The generator refuses (p, m, v) it cannot schedule, with the rule it breaks.
         # Every schedule takes data-parallel stages, split (I/W) backwards included.
-        generate(name, self.pp, m, v)
+        try:
+            generate(name, self.pp, m, v)
+        except ScheduleValidationError as exc:
+            raise ScheduleValidationError(
+                f"--pp {self.pp} --schedule {name} --microbatches {m} --chunks {v}: {exc}"
+            ) from exc
         return Layout(world, self.pp, dp, wrapper, name, m, v, cap)
+
+
+# -- the rule of each value -------------------------------------------------------
+
+# Fields that no ``cadence train`` flag sets: a config file's ``[train]`` key does.
+_FLAGLESS = frozenset({"timeout"})
+# The model's fields that have a flag; the others are ``[train.model]`` keys only.
+_MODEL_FLAGS = {"d_model": "--d-model", "n_layers": "--layers"}
+
+# [Note: the bounds that are not the annotation's]
+# An upper bound is set only where a larger value fails inside the ranks: gloo
+# refuses a process-group timeout whose count overflows (measured: 8.6e13 s fails,
+# 1e9 s works), torch seeds are 64-bit and the data seed of step N is
+# ``seed x 1000003 + N``, and torch.multinomial draws from at most 2**24 categories.
+# Sizes that merely do not fit in memory depend on the machine and are refused by
+# `cadence.train.preflight` instead.
+MAX_COLLECTIVE_TIMEOUT_S = 1e7
+MAX_SEED = 2**43
+MAX_VOCAB = 2**24
+
+RULES: dict[str, ValueRule] = derive_rules(
+    TrainConfig,
+    nproc=dict(low=1),
+    steps=dict(low=1),
+    batch_size=dict(low=1),
+    lr=dict(low=0),
+    seed=dict(
+        low=-MAX_SEED,
+        high=MAX_SEED,
+        note="the data seed of step N is seed x 1000003 + N, and torch seeds are 64-bit",
+    ),
+    pp=dict(low=1),
+    microbatches=dict(low=0, note="0 picks 2 x pp"),
+    chunks=dict(low=0, note="0 picks the schedule's default"),
+    channel_mode=dict(choices=("", *CHANNEL_MODES)),
+    bucket_cap_mb=dict(low=0, above=True, note="MiB"),
+    dp_replicate=dict(low=1),
+    timeout=dict(low=0, above=True, note="seconds"),
+    collective_timeout=dict(
+        low=0,
+        above=True,
+        high=MAX_COLLECTIVE_TIMEOUT_S,
+        note="seconds; about 116 days at most, as far longer waits overflow the backends",
+    ),
+    checkpoint_every=dict(low=0, note="0 saves none"),
+    keep=dict(low=0, note="0 keeps all"),
+)
+"""The rule of each `TrainConfig` field but ``model`` (whose fields have `MODEL_RULES`)."""
+
+MODEL_RULES: dict[str, ValueRule] = derive_rules(
+    GPTConfig,
+    vocab_size=dict(low=1, high=MAX_VOCAB, note="torch.multinomial draws from at most 2**24"),
+    seq_len=dict(low=1),
+    d_model=dict(low=1),
+    n_heads=dict(low=1),
+    n_layers=dict(low=1),
+    mlp_ratio=dict(low=1),
+)
+"""The rule of each `GPTConfig` field (``[train.model]``)."""
+
+
+def option_name(name: str) -> str:
+    """How a refusal names the `TrainConfig` field ``name``: its flag, or for a field
+    without one its config-file key."""
+    if name in _FLAGLESS:
+        return f"[train] {name}"
+    if name in _MODEL_FLAGS:
+        return _MODEL_FLAGS[name]
+    if name in MODEL_RULES:
+        return f"[train.model] {name}"
+    return "--" + name.replace("_", "-")
+
+
+def _check(option: str, rule: ValueRule, value: object) -> None:
+    if not rule.accepts(value):
+        raise TrainConfigError(f"{option} must be {rule.expected()}, got {value!r}")
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, GPTConfig):
+        raise TrainConfigError(f"model must be a GPTConfig (cadence.models.config), got {model!r}")
+    for f in fields(GPTConfig):
+        _check(option_name(f.name), MODEL_RULES[f.name], getattr(model, f.name))
+
+
+def model_from_flags(base: GPTConfig, d_model: int, n_layers: int) -> GPTConfig:
+    """``base`` with ``--d-model`` and ``--layers``, each refused by its flag's name
+    (`GPTConfig` itself names neither flag nor fix)."""
+    _check("--d-model", MODEL_RULES["d_model"], d_model)
+    _check("--layers", MODEL_RULES["n_layers"], n_layers)
+    heads = base.n_heads
+    if d_model % heads:
+        raise TrainConfigError(
+            f"--d-model {d_model} must be a multiple of the {heads} attention heads "
+            f"([train.model] n_heads): use --d-model {d_model + heads - d_model % heads}, "
+            "or set n_heads to a divisor of it"
+        )
+    return replace(base, d_model=d_model, n_layers=n_layers)

@@ -7,24 +7,42 @@ given on the command line wins over the file. Each run writes the resolved value
 ``<run_dir>/config.toml``, in this same format, so ``--config <run_dir>/config.toml``
 repeats a run.
 
+Every key is checked on its own against the rule of its field (`RULES`,
+`MODEL_RULES` in `cadence.train.config`), and a refusal names the file, the table and
+key, the value as written, its TOML type and what is expected: an error in a file
+should be found without reading cadence's source.
+
+[Note: config.toml reads back]
+The file is UTF-8 (TOML's encoding, whatever the locale) and each string a TOML basic
+string in which only the quote, the backslash and the control characters are
+escaped; every other character is written as itself. JSON's escapes are not TOML's:
+JSON writes a character outside the Basic Multilingual Plane (an emoji in a
+``--run-dir``) as two ``\\uXXXX`` surrogate escapes, which TOML refuses, so the file
+of such a run would not read back. Text TOML cannot hold at all (the lone
+surrogates that stand for a path's undecodable bytes) is refused by `TrainConfig`
+before the run, not found when the file is written at its end; so is a NUL, which
+TOML can hold but no path can.
+
 Torch-free; ``tomllib`` is in the standard library from Python 3.11 (``tomli`` is
 used on 3.10 when installed).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, fields
+import datetime
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from cadence.errors import CadenceValueError
 from cadence.models.config import GPTConfig
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train._rules import ValueRule, text_problem
+from cadence.train.config import MODEL_RULES, RULES, TrainConfig, TrainConfigError
 
 __all__ = ["config_to_toml", "read_config_file"]
 
 
-def _toml_loads(text: str) -> dict[str, Any]:
+def _toml_loads(text: str, where: str) -> dict[str, Any]:
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -37,54 +55,184 @@ def _toml_loads(text: str) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise TrainConfigError(f"--config: not valid TOML: {exc}") from None
+        raise TrainConfigError(f"{where}: not valid TOML: {exc}; fix that line") from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The ``[train]`` table of ``path`` as `TrainConfig` keyword arguments (``model`` a
-    `GPTConfig`). Unknown tables or keys are refused, naming them."""
+    `GPTConfig`). Unknown tables or keys, and values of the wrong type or range, are
+    refused with a `TrainConfigError` naming the file, the key and the value."""
     path = Path(path)
-    if not path.is_file():
-        raise TrainConfigError(f"--config {path}: no such file")
-    raw = _toml_loads(path.read_text())
-    extra = sorted(set(raw) - {"train"})
-    if extra or "train" not in raw:
+    where = f"--config {path}"
+    try:
+        if not path.exists():
+            raise TrainConfigError(f"{where}: no such file; give the path of a TOML file")
+        if not path.is_file():
+            raise TrainConfigError(f"{where}: not a file; give the path of a TOML file")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TrainConfigError(f"{where}: cannot be read ({exc.strerror})") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise TrainConfigError(
-            f"--config {path}: expected one [train] table, found {sorted(raw) or 'none'}"
+            f"{where}: not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x}); "
+            "TOML files are UTF-8: save it as UTF-8"
+        ) from None
+    raw = _toml_loads(text, where)
+    extra = sorted(set(raw) - {"train"})
+    if extra or not isinstance(raw.get("train"), dict):
+        raise TrainConfigError(
+            f"{where}: expected one [train] table, found {sorted(raw) or 'none'}"
         )
     table = dict(raw["train"])
-    known = {f.name for f in fields(TrainConfig)}
+    known = {*RULES, "model"}
     unknown = sorted(set(table) - known)
     if unknown:
         raise TrainConfigError(
-            f"--config {path}: unknown key(s) {', '.join(unknown)} in [train]; the keys are "
-            f"the flags' names with underscores: {', '.join(sorted(known - {'model'}))}"
+            f"{where}: unknown key(s) {', '.join(unknown)} in [train]; the keys are "
+            f"the flags' names with underscores: {', '.join(sorted(RULES))}"
         )
+    values = {
+        key: _checked(where, "train", key, value, RULES[key])
+        for key, value in table.items()
+        if key != "model"
+    }
+    problem = text_problem(values.get("run_dir", ""))
+    if problem:
+        raise TrainConfigError(f"{where}: [train] run_dir {_shown(values['run_dir'])} {problem}")
     if "model" in table:
-        model = table["model"]
-        model_keys = {f.name for f in fields(GPTConfig)}
-        if not isinstance(model, dict) or set(model) - model_keys:
-            raise TrainConfigError(
-                f"--config {path}: [train.model] takes {', '.join(sorted(model_keys))}"
+        values["model"] = _read_model(where, table["model"])
+    return values
+
+
+def _read_model(where: str, model: object) -> GPTConfig:
+    if not isinstance(model, dict):
+        raise TrainConfigError(
+            f"{where}: [train] model must be a table ([train.model]) with the keys "
+            f"{', '.join(MODEL_RULES)}, got {_shown(model)} ({_toml_type(model)})"
+        )
+    unknown = sorted(set(model) - set(MODEL_RULES))
+    if unknown:
+        raise TrainConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)} in [train.model]; it takes "
+            f"{', '.join(MODEL_RULES)}"
+        )
+    values = {k: _checked(where, "train.model", k, v, MODEL_RULES[k]) for k, v in model.items()}
+    base = GPTConfig()
+    d, heads = values.get("d_model", base.d_model), values.get("n_heads", base.n_heads)
+    if d % heads:
+        raise TrainConfigError(
+            f"{where}: [train.model] d_model {d} must be a multiple of n_heads {heads}: "
+            f"use d_model = {d + heads - d % heads}, or an n_heads that divides {d}"
+        )
+    try:
+        return GPTConfig(**values)
+    except CadenceValueError as exc:  # a rule of GPTConfig's that the keys' miss
+        raise TrainConfigError(f"{where}: [train.model] {exc}") from exc
+
+
+def _checked(where: str, table: str, key: str, value: Any, rule: ValueRule) -> Any:
+    """``value`` as the field's kind (a whole float as an int, an int as a float), or
+    a `TrainConfigError` naming the key, the value, its TOML type and the rule."""
+    if rule.kind == "int" and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif rule.kind == "float" and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:
+            pass  # refused below, as not finite
+    if rule.accepts(value):
+        return value
+    hint = ""
+    if isinstance(value, str) and rule.kind != "str":
+        try:
+            unquoted = _toml_loads(f"v = {value}", where)["v"]
+        except TrainConfigError:
+            unquoted = None
+        if unquoted is not None and rule.accepts(unquoted):
+            hint = f"; write {key} = {value} without quotes"
+    raise TrainConfigError(
+        f"{where}: [{table}] {key} must be {rule.expected()}, got {_shown(value)} "
+        f"({_toml_type(value)}){hint}"
+    )
+
+
+def _toml_type(v: object) -> str:
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a float"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, dict):
+        return "a table"
+    return "a date or time"
+
+
+def _shown(v: object) -> str:
+    """``v`` as TOML spells it, for an error message (any value TOML reads)."""
+    if isinstance(v, list):
+        return "[" + ", ".join(_shown(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_shown(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (datetime.date, datetime.time)):
+        return v.isoformat()
+    return _value(v)
+
+
+# The short escapes TOML defines; other control characters are written \uXXXX.
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _toml_string(text: str) -> str:
+    """``text`` as a TOML basic string. See [Note: config.toml reads back]."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04x}")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise CadenceValueError(
+                f"{text!r} holds a lone surrogate ({ch!r}), which TOML text cannot hold"
             )
-        table["model"] = GPTConfig(**model)
-    return table
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def _value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
-        return repr(v)
-    return json.dumps(v)  # a TOML basic string: JSON's escapes are TOML's
+        return repr(v)  # a float's shortest repr reads back exactly; nan and inf are TOML's
+    return _toml_string(str(v))
 
 
 def config_to_toml(cfg: TrainConfig) -> str:
-    """``cfg`` as a file `read_config_file` reads back to the same config."""
+    """``cfg`` as a file `read_config_file` reads back to the same config (write it as
+    UTF-8: see [Note: config.toml reads back])."""
     values = asdict(cfg)
     # A replay of this file must not delete checkpoints unless asked again on its own
     # command line: by then the folder holds this run's checkpoints, not the old ones.
     values["overwrite"] = False
+    # Nor vouch for a checkpoint unasked: --trust-checkpoint was said of the folder as it
+    # was then, and a replay would skip the signature of whatever is there later.
+    values["trust_checkpoint"] = False
     model = values.pop("model")
     lines = ["# The resolved options of this run: cadence train --config <this file>", "[train]"]
     lines += [f"{k} = {_value(v)}" for k, v in values.items() if v is not None]

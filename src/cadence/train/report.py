@@ -143,5 +143,5 @@ def write_metrics(
 def write_config(cfg: TrainConfig, run_dir: Path) -> Path:
     """``run_dir/config.toml``: the resolved options (``--config`` takes it back)."""
     path = run_dir / "config.toml"
-    path.write_text(config_to_toml(cfg))
+    path.write_text(config_to_toml(cfg), encoding="utf-8")  # TOML is UTF-8, whatever the locale
     return path

@@ -41,7 +41,7 @@ def test_show_reports_a_deadlock(tmp_path, capsys) -> None:
 
 def test_unknown_schedule_is_named(capsys) -> None:
     with pytest.raises(ValueError, match="unknown schedule 'nope'"):
-        main(["schedule", "show", "nope"])
+        main(["schedule", "show", "nope", "--debug"])  # --debug: raise, not one line
 
 
 def test_compare_prints_the_table_against_torch(capsys) -> None:
