@@ -127,3 +127,13 @@ def test_a_written_config_never_replays_overwrite(tmp_path: Path) -> None:
     path.write_text(config_to_toml(cfg))
     # Replaying the file would otherwise delete the checkpoints this very run wrote.
     assert read_config_file(path)["overwrite"] is False
+
+
+def test_a_written_config_never_replays_trust_checkpoint(tmp_path: Path) -> None:
+    from cadence.train.config_file import config_to_toml, read_config_file
+
+    cfg = TrainConfig(run_dir=str(tmp_path / "a"), resume=True, trust_checkpoint=True)
+    path = tmp_path / "config.toml"
+    path.write_text(config_to_toml(cfg))
+    # The vouching was for the folder as it was; a replay must check signatures again.
+    assert read_config_file(path)["trust_checkpoint"] is False

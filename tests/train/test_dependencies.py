@@ -1,10 +1,12 @@
 """What checkpointing imports is declared in pyproject.toml.
 
 Specification:
-- every third-party top-level module that ``cadence/train/checkpoint.py`` imports,
-  at module level or inside a function, is in ``[project] dependencies``: a plain
-  ``pip install cadence`` must be able to save and load a checkpoint. numpy is among
-  them (the RNG states), and torch's DCP needs it too ("Numpy is not available").
+- every third-party top-level module that checkpointing imports
+  (``cadence/train/checkpoint.py`` and the modules it is split into: ``_manifest``,
+  ``_rng``, ``_dcp_read``), at module level or inside a function, is in
+  ``[project] dependencies``: a plain ``pip install cadence`` must be able to save
+  and load a checkpoint. numpy is among them (the RNG states), and torch's DCP needs
+  it too ("Numpy is not available").
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ except ImportError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKPOINT = ROOT / "src" / "cadence" / "train" / "checkpoint.py"
+TRAIN = ROOT / "src" / "cadence" / "train"
+CHECKPOINTING = [TRAIN / f"{m}.py" for m in ("checkpoint", "_manifest", "_rng", "_dcp_read")]
 
 
 def _normalize(name: str) -> str:
@@ -49,7 +52,7 @@ def _declared() -> set[str]:
 
 
 def test_checkpoint_imports_are_declared_dependencies() -> None:
-    modules = _third_party_imports(CHECKPOINT)
+    modules = set().union(*map(_third_party_imports, CHECKPOINTING))
     assert {"torch", "numpy"} <= modules
     # The distributions that install each module (numpy -> numpy), else its own name.
     dists = importlib.metadata.packages_distributions()
@@ -57,4 +60,4 @@ def test_checkpoint_imports_are_declared_dependencies() -> None:
     missing = sorted(
         m for m in modules if not {_normalize(d) for d in dists.get(m, [m])} & declared
     )
-    assert not missing, f"imported by {CHECKPOINT.name}, not in [project] dependencies: {missing}"
+    assert not missing, f"imported by checkpointing, not in [project] dependencies: {missing}"

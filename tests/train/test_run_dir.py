@@ -57,8 +57,8 @@ def test_a_fresh_run_into_a_run_dir_with_checkpoints_is_refused(run_a: Path, tmp
     run = _copy(run_a, tmp_path)
     before = {n: _manifest(run, n) for n in _names(run)}
     flags = [*SMALL, "--steps", "2", "--checkpoint-every", "1", "--keep", "1"]
-    with pytest.raises(TrainConfigError) as info:
-        main(["train", *flags, "--run-dir", str(run)])
+    with pytest.raises(TrainConfigError) as info:  # --debug: raise, not one line
+        main(["train", *flags, "--run-dir", str(run), "--debug"])
     message = str(info.value)
     assert "\n" not in message
     assert str(run) in message and "step-4" in message
@@ -131,8 +131,8 @@ def test_a_run_dir_with_only_misnamed_folders_is_not_refused(tmp_path: Path) -> 
 def test_resume_with_fewer_steps_than_the_checkpoint_is_refused(run_a: Path, tmp_path: Path):
     run = _copy(run_a, tmp_path)
     flags = [*SMALL, "--steps", "2", "--checkpoint-every", "2", "--resume"]
-    with pytest.raises(ResumeRefusedError) as info:
-        main(["train", *flags, "--run-dir", str(run)])
+    with pytest.raises(ResumeRefusedError) as info:  # --debug: raise, not one line
+        main(["train", *flags, "--run-dir", str(run), "--debug"])
     message = str(info.value)
     assert "\n" not in message
     assert "--steps is 2" in message and "step 4" in message

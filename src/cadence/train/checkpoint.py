@@ -7,26 +7,62 @@ A checkpoint is the folder ``<run_dir>/checkpoints/step-<N>/`` holding, after st
   as shards and resharded on load; DataParallel replicas save one copy; each
   pipeline rank saves its own stages (keyed ``stage<s>``) and its own optimizer
   (``optim_pp<p>``);
-- ``history``: the `RunHistory` (every loss so far, checkpoints, restarts), which is
-  also the data position: step ``N + 1`` reads global batch ``N``;
-- ``rng/rank<r>``: every rank's RNG states (torch, CUDA, ``random``, numpy);
-- ``cadence.json``: the manifest, written last (see the note).
+- ``rng/rank<r>/*``: every rank's RNG states (torch, CUDA, ``random``, numpy) as
+  uint8 tensors and JSON (`cadence.train._rng`);
+- ``history.json``: the `RunHistory` (every loss so far, checkpoints, restarts), which
+  is also the data position: step ``N + 1`` reads global batch ``N``;
+- ``cadence.json``: the manifest, written last: every other file's size and sha256,
+  signed (`cadence.train._manifest`).
 
 [Note: a checkpoint counts only once complete]
 Every rank writes into ``.step-<N>.tmp``. DCP's save ends with rank 0 writing
 ``.metadata`` after every rank has reported its writes, so when the save returns on
-rank 0 all the data is on disk. Rank 0 then writes the manifest (each file's size)
+rank 0 all the data is on disk. Rank 0 then writes ``history.json`` and the manifest
 and renames the folder to ``step-<N>``: a rename is atomic, so a ``step-<N>`` folder
 is never half written. A job killed mid-save leaves a ``.tmp`` folder, which the
-next run deletes. A ``step-<N>`` folder that fails the manifest check (a file
+next run deletes. A ``step-<N>`` folder that fails the manifest's size check (a file
 missing or of another size, e.g. a copy cut short) is skipped on resume, and the
-skip is reported: resume takes the newest complete checkpoint. The folder must be
-on a filesystem every rank sees (one machine, or a shared filesystem across nodes).
+skip is reported: resume takes the newest complete checkpoint, then verifies it in
+full (next note). The folder must be on a filesystem every rank sees (one machine,
+or a shared filesystem across nodes).
 A folder is a checkpoint only if its whole name is ``step-<N>``, N in ASCII digits
 without a leading zero (the name `_commit` writes): ``\\d`` would also take
 ``step-`` with Arabic-Indic digits and ``$`` a name with a trailing newline, so names
 are matched with ``re.fullmatch`` on ``[0-9]``; other ``step-*`` names are ignored,
 and reported as skipped.
+
+[Note: a checkpoint is verified before anything in it is unpickled]
+A checkpoint is data from disk, and DCP deserializes parts of it with pickle, which
+runs whatever code the bytes name. So resume reads nothing through DCP until rank 0
+has checked the folder (`cadence.train._manifest.verify`): the manifest's signature
+under this user's key (see [Note: the checkpoint key] there), then that the folder
+holds exactly the files it lists, each of the listed size and sha256. Rank 0
+broadcasts the verdict, and every rank refuses alike (`ResumeRefusedError`, naming
+the file and the fix) or loads. A stripped signature is refused like a wrong one; a manifest without
+hashes (an older cadence's, or a downgraded one) is refused unless
+``--trust-checkpoint``, which also skips the signature (the user vouches for the
+folder; the hashes, where there are any, are still checked).
+
+What still unpickles, and only after that check: DCP's ``.metadata`` (its index of
+the items, a pickle DCP reads on every rank). DCP's data files hold tensors, read by
+torch's weights-only loader, and the optimizer's param groups, which DCP would read
+with the full unpickler and `WeightsOnlyPlanner` reads with the weights-only one.
+cadence's own data is not pickled at all: the RNG states are tensors and JSON, the
+history is JSON, and nothing in this package calls ``pickle.loads`` on them. (Rank
+0's verdict reaches the other ranks through ``broadcast_object_list``, a pickle
+between the job's own processes of values rank 0 parsed from JSON.)
+
+Time of check and time of use: each rank opens every file DCP reads through
+`CheckedReader`, which hashes it on the open descriptor and then reads through that
+same descriptor (`open_verified`), so a file replaced after rank 0's check (renamed
+over, or a symlink planted) is refused, not read. What remains is a write into the
+very file after it was hashed, which needs write permission on the file itself: the
+run's own user, or root. Cost: rank 0 reads the whole checkpoint once to verify it,
+and each rank reads each file it loads from twice (hash, then its slices; the second
+read usually from the page cache). Saving hashes the files once DCP has written them,
+in the commit step, which with ``--async-checkpoint`` runs on the save's thread.
+Rank 0 hashes every rank's files, so verifying a very large checkpoint takes as long
+as reading it: the other ranks wait in the broadcast, within --collective-timeout.
 
 [Note: a run's lineage]
 Each run has a lineage id: a fresh run draws one, ``--resume`` carries on the one in
@@ -41,25 +77,35 @@ them) or ``--overwrite`` (delete them first, `delete_checkpoints`).
 from __future__ import annotations
 
 import json
-import pickle
-import random
 import re
 import shutil
-import sys
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from cadence.errors import CadenceError
+from cadence._owned import UntrustedPathError
+from cadence.train._dcp_read import CheckedReader, WeightsOnlyPlanner
+from cadence.train._manifest import (
+    HISTORY,
+    MANIFEST,
+    CheckpointError,
+    ResumeRefusedError,
+    entry_size,
+    file_entries,
+    run_key,
+    sign,
+    verify,
+)
+from cadence.train._rng import restore_rng, rng_placeholders, rng_state_dict
 from cadence.train.build import TrainState
 from cadence.train.config import TrainConfig, TrainConfigError
 from cadence.train.history import RunHistory
@@ -74,20 +120,17 @@ __all__ = [
     "load_checkpoint",
 ]
 
-MANIFEST = "cadence.json"
 # Used with fullmatch only: ASCII digits, no leading zero, nothing after them.
 _STEP = re.compile(r"step-([1-9][0-9]*)")
 # The flags a checkpoint's numbers depend on: a resume under other values would
 # silently continue another run, so it is refused (see `_check_compatible`).
 _MUST_MATCH = ("batch_size", "lr", "seed", "fsdp", "mixed_precision", "pp", "model")
 
-
-class CheckpointError(CadenceError, RuntimeError):
-    """A checkpoint could not be written."""
-
-
-class ResumeRefusedError(CadenceError, ValueError):
-    """``--resume`` found a checkpoint this run cannot continue from."""
+# Refusals rank 0 raises while choosing a checkpoint, raised alike on every rank.
+_AGREED: dict[str, type[Exception]] = {
+    c.__name__: c for c in (ResumeRefusedError, CheckpointError, UntrustedPathError)
+}
+_T = TypeVar("_T")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -112,32 +155,11 @@ def _optim_key(state: TrainState) -> str:
     return "optim" if state.runtime is None else f"optim_pp{state.groups.pp_rank}"
 
 
-def _rng_states() -> bytes:
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:
-        states["numpy"] = sys.modules["numpy"].random.get_state()
-    return pickle.dumps(states)
-
-
-def _set_rng_states(blob: bytes) -> None:
-    states = pickle.loads(blob)
-    torch.set_rng_state(states["torch"])
-    random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-    if "numpy" in states:
-        import numpy
-
-        numpy.random.set_state(states["numpy"])
-
-
 def _manifest(
     cfg: TrainConfig, state: TrainState, step: int, folder: Path, lineage: str
 ) -> dict[str, Any]:
+    """The manifest of the checkpoint in ``folder``, unsigned; hashes every file."""
     layout = state.layout
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
     return {
         "step": step,
         "lineage": lineage,
@@ -151,7 +173,7 @@ def _manifest(
             "microbatches": layout.microbatches,
         },
         "config": {k: v for k, v in asdict(cfg).items() if k in _MUST_MATCH},
-        "files": files,
+        "files": file_entries(folder),
     }
 
 
@@ -162,12 +184,15 @@ def _why_incomplete(folder: Path) -> str | None:
         return f"no {MANIFEST} (its save did not finish)"
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as exc:
+        if not isinstance(files, dict):
+            raise ValueError("its files are not a table")
+    except (ValueError, KeyError, TypeError) as exc:
         return f"unreadable {MANIFEST}: {exc}"
     if ".metadata" not in files:
         return "the manifest lists no DCP .metadata"
-    for name, size in files.items():
+    for name, entry in files.items():
         path = folder / name
+        size = entry_size(entry)
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != size:
@@ -304,23 +329,52 @@ def _check_compatible(cfg: TrainConfig, state: TrainState, manifest: dict[str, A
         )
 
 
+def _rank0_decides(decide: Callable[[], _T]) -> _T:
+    """``decide()`` on rank 0, and its result or its refusal on every rank: a refusal
+    raised on rank 0 alone would leave the others waiting in their next collective."""
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box = [(True, decide())]
+        except Exception as exc:  # raised again below, on rank 0 as itself
+            error = exc
+            box = [(False, (type(exc).__name__, str(exc)))]
+    dist.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if ok:
+        return value
+    if error is not None:
+        raise error
+    name, message = value
+    if name in _AGREED:
+        raise _AGREED[name](message)
+    raise CheckpointError(f"rank 0 failed with {name}: {message}")
+
+
+def _choose(cfg: TrainConfig) -> tuple[str | None, Any, list[str], str | None, str]:
+    """Rank 0: the newest complete checkpoint, verified (see [Note: a checkpoint is
+    verified before anything in it is unpickled]): its folder, manifest, the skipped
+    folders, its history text (None before content hashes) and what went unchecked."""
+    folder, skipped = find_latest(cfg.run_dir)
+    if folder is None:
+        return None, None, skipped, None, ""
+    found = verify(folder, trust=cfg.trust_checkpoint)
+    return str(folder), found.manifest, skipped, found.history, found.note
+
+
 def load_checkpoint(cfg: TrainConfig, state: TrainState) -> tuple[RunHistory, str]:
     """Load the newest complete checkpoint of ``cfg.run_dir`` into ``state``.
 
-    Collective: rank 0 picks the folder and every rank loads that one. Returns the
-    restored history (empty when there is no checkpoint: a fresh start) and a line
-    saying what was loaded and what was skipped. Raises `ResumeRefusedError` on every
-    rank alike when the checkpoint belongs to another kind of run, or when ``--steps``
-    is below its step. Sets ``state.step`` and ``state.lineage`` (the checkpoint's:
-    see [Note: a run's lineage]).
+    Collective: rank 0 picks the folder and verifies it, and every rank loads that one.
+    Returns the restored history (empty when there is no checkpoint: a fresh start) and
+    a line saying what was loaded and what was skipped. Raises `ResumeRefusedError` on
+    every rank alike when the checkpoint fails verification (see [Note: a checkpoint
+    is verified before anything in it is unpickled]), belongs to another kind of run,
+    or when ``--steps`` is below its step. Sets ``state.step`` and ``state.lineage``
+    (the checkpoint's: see [Note: a run's lineage]).
     """
-    choice: list[Any] = [None]
-    if dist.get_rank() == 0:
-        folder, skipped = find_latest(cfg.run_dir)
-        manifest = json.loads((folder / MANIFEST).read_text()) if folder else None
-        choice = [(str(folder) if folder else None, manifest, skipped)]
-    dist.broadcast_object_list(choice, src=0)
-    folder_s, manifest, skipped = choice[0]
+    folder_s, manifest, skipped, history_text, unchecked = _rank0_decides(lambda: _choose(cfg))
     notes = [f"skipped {line}" for line in skipped]
     if folder_s is None:
         return RunHistory(), "; ".join(
@@ -332,15 +386,22 @@ def load_checkpoint(cfg: TrainConfig, state: TrainState) -> tuple[RunHistory, st
     model_sd, optim_sd = get_state_dict(root, state.optimizer)
     rank = dist.get_rank()
     okey = _optim_key(state)
-    sd: dict[str, Any] = {"model": model_sd, okey: optim_sd, "history": ""}
-    # Ranks that did not exist when it was saved keep their fresh RNG streams.
-    if rank < manifest["world_size"]:
-        sd[f"rng/rank{rank}"] = b""
-    dcp.load(sd, checkpoint_id=folder_s)
+    sd: dict[str, Any] = {"model": model_sd, okey: optim_sd}
+    hashed = history_text is not None
+    reader = CheckedReader(folder_s, manifest["files"] if hashed else None)
+    # Ranks that did not exist when it was saved keep their fresh RNG streams. An
+    # older checkpoint's RNG states were pickled: never loaded, and its history is a
+    # DCP item (a string, which the weights-only loader reads).
+    restore = hashed and rank < manifest["world_size"]
+    if restore:
+        sd.update(rng_placeholders(reader.read_metadata(), rank))
+    if not hashed:
+        sd["history"] = ""
+    dcp.load(sd, storage_reader=reader, planner=WeightsOnlyPlanner())
     set_state_dict(root, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd[okey])
-    if isinstance(sd.get(f"rng/rank{rank}"), bytes) and sd[f"rng/rank{rank}"]:
-        _set_rng_states(sd[f"rng/rank{rank}"])
-    history = RunHistory.from_json(sd["history"])
+    if restore:
+        restore_rng(sd, rank)
+    history = RunHistory.from_json(history_text if hashed else sd["history"])
     step = manifest["step"]
     if history.step != step:
         raise CheckpointError(
@@ -350,7 +411,8 @@ def load_checkpoint(cfg: TrainConfig, state: TrainState) -> tuple[RunHistory, st
     # None (a checkpoint written before lineage ids): the Checkpointer draws a new one.
     state.lineage = manifest.get("lineage")
     history.resumes.append(step)
-    return history, "; ".join([f"resumed from {Path(folder_s).name} (step {step})", *notes])
+    loaded = f"resumed from {Path(folder_s).name} (step {step})"
+    return history, "; ".join([loaded, *([unchecked] if unchecked else []), *notes])
 
 
 def _prune(root: Path, keep: int, lineage: str) -> None:
@@ -388,6 +450,12 @@ class Checkpointer:
         if state.lineage is None:
             state.lineage = uuid.uuid4().hex
         self.lineage: str = state.lineage
+        # Read (or made) before the first step: a key others could change stops the
+        # run here, on every rank, rather than at its first save. Only rank 0 holds
+        # the key; the others learn only whether it could be read.
+        key: list[bytes] = []
+        _rank0_decides(lambda: key.append(run_key(self.lineage)))
+        self._key = key[0] if key else None
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             # Leftovers of a save that a crash cut short. No rank writes before rank 0
@@ -408,35 +476,39 @@ class Checkpointer:
         sd = {
             "model": model_sd,
             _optim_key(self.state): optim_sd,
-            "history": history.to_json(),
-            f"rng/rank{self.rank}": _rng_states(),
+            **rng_state_dict(self.rank),
         }
+        # The text now: the history grows while a background save runs.
+        text = history.to_json()
         tmp = self.root / f".step-{step}.tmp"
         if self._group is None:
             dcp.save(sd, checkpoint_id=tmp)
-            self._commit(tmp, step)
+            self._commit(tmp, step, text)
             return
         fut = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._group)
         assert isinstance(fut, Future)
         self._committed.clear()
-        fut.add_done_callback(lambda f: self._on_done(f, tmp, step))
+        fut.add_done_callback(lambda f: self._on_done(f, tmp, step, text))
         self._pending = fut
 
-    def _on_done(self, fut: Future, tmp: Path, step: int) -> None:
-        # On the save's thread: filesystem work only, no collectives.
+    def _on_done(self, fut: Future, tmp: Path, step: int, history: str) -> None:
+        # On the save's thread: filesystem work only (hashing included), no collectives.
         try:
             fut.result()
-            self._commit(tmp, step)
+            self._commit(tmp, step, history)
         except BaseException as exc:  # raised again by `wait` on the main thread
             self._failed = exc
         finally:
             self._committed.set()
 
-    def _commit(self, tmp: Path, step: int) -> None:
-        """Rank 0: manifest, then the atomic rename, then prune to ``--keep``."""
+    def _commit(self, tmp: Path, step: int, history: str) -> None:
+        """Rank 0: the history, the signed manifest (hashing every file), then the
+        atomic rename, then prune to ``--keep``."""
         if self.rank != 0:
             return
-        manifest = _manifest(self.cfg, self.state, step, tmp, self.lineage)
+        assert self._key is not None
+        (tmp / HISTORY).write_text(history)
+        manifest = sign(_manifest(self.cfg, self.state, step, tmp, self.lineage), self._key)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         final = self.root / f"step-{step}"
         if final.exists():
