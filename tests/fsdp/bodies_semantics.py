@@ -90,8 +90,6 @@ def _checks_errors(rank: int, world: int, out: dict[str, Any]) -> None:
     m.finalize_backward()
     out["err_finalize_in_backward"] = seen["finalize"]
     out["err_toggle_in_backward"] = seen["toggle"]
-    # load_state_dict(assign=True).
-    out["err_assign"] = _error(lambda: m.load_state_dict(m.state_dict(), assign=True))
     out["err_prefetch_not_unit"] = _error(
         lambda: m.set_modules_to_forward_prefetch([nn.Linear(1, 1)])
     )

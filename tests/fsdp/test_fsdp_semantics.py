@@ -188,10 +188,6 @@ def test_err_toggle_manual_mode_inside_backward(r: dict[str, Any]) -> None:
     assert "inside backward" in r["err_toggle_in_backward"]
 
 
-def test_err_load_state_dict_assign(r: dict[str, Any]) -> None:
-    assert "assign=False" in r["err_assign"]
-
-
 def test_retry_after_cleanup_exception_completes_once(r: dict[str, Any]) -> None:
     assert r["retry_first_raised"] and not r["retry_done_after_failure"]
     assert r["retry_done"]

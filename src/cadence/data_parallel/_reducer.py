@@ -162,6 +162,9 @@ class Reducer:
         # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
         self.grad_guard = GradGuard("DataParallel")
         self.split_part: str | None = None  # see [Note: split backward parts] in _timing.py
+        # Says what happened to the named parameters when their gradients go wrong (see
+        # [Note: module methods after wrapping] in _replica.py); "" if it cannot tell.
+        self.explain: Callable[[list[str]], str] = lambda names: ""
 
     # -- state queries --------------------------------------------------------
 
@@ -334,28 +337,13 @@ class Reducer:
         assert w is not None
         scale = self.wire_divide and self.comm_hook is None and self.comm.world_size > 1
         if not self.bucket_view:
-            present = []
-            for v, p in zip(bucket.views, bucket.params):
-                g = p.grad
-                if g is None:
-                    v.zero_()  # its share of the bucket is reduced as zeros
-                else:
-                    present.append((v, p, g))
-            if scale:
-                # One pass per gradient: scale straight into the bucket (copy-then-divide
-                # reads and writes the bucket twice; see docs/bench_dp.md).
-                # A true divide, not a multiply by 1/world: it rounds as torch DDP does.
-                world = self._divide_by()
-                for v, _, g in present:
-                    torch.div(g, world, out=v)
-            elif present:
-                torch._foreach_copy_([v for v, _, _ in present], [g for _, _, g in present])
-            if self.adopt[b]:
-                # See [Note: adopting bucket views]; ``g is v`` when adopted in an
-                # earlier step and accumulated into in place since.
-                for v, p, g in present:
-                    if g is not v and not g.requires_grad:
-                        p.grad = v
+            try:
+                self._fill(b, scale)
+            except RuntimeError as exc:  # e.g. a gradient of a dtype its bucket does not hold
+                why = self.explain(bucket.names)
+                if why:
+                    raise DataParallelError(why) from exc
+                raise
         elif scale:
             bucket.buffer.div_(self._divide_by())
         if self.comm_hook is not None:
@@ -366,6 +354,32 @@ class Reducer:
             w.works[b] = CommWork(result)
             return
         w.works[b] = self.comm.all_reduce(bucket.buffer, async_op=True)
+
+    def _fill(self, b: int, scale: bool) -> None:
+        """Copy (scaled) this bucket's gradients into it; adopt its views as ``.grad``."""
+        bucket = self.buckets[b]
+        present = []
+        for v, p in zip(bucket.views, bucket.params):
+            g = p.grad
+            if g is None:
+                v.zero_()  # its share of the bucket is reduced as zeros
+            else:
+                present.append((v, p, g))
+        if scale:
+            # One pass per gradient: scale straight into the bucket (copy-then-divide
+            # reads and writes the bucket twice; see docs/bench_dp.md).
+            # A true divide, not a multiply by 1/world: it rounds as torch DDP does.
+            world = self._divide_by()
+            for v, _, g in present:
+                torch.div(g, world, out=v)
+        elif present:
+            torch._foreach_copy_([v for v, _, _ in present], [g for _, _, g in present])
+        if self.adopt[b]:
+            # See [Note: adopting bucket views]; ``g is v`` when adopted in an
+            # earlier step and accumulated into in place since.
+            for v, p, g in present:
+                if g is not v and not g.requires_grad:
+                    p.grad = v
 
     def _divide_by(self) -> int:
         return self.divisor() if self.divisor is not None else self.comm.world_size
@@ -517,11 +531,15 @@ class Reducer:
         self.accumulating = False
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            why = self.explain(missing)
             raise DataParallelError(
                 f"{len(missing)} parameter(s) received no gradient in a synced backward: "
-                f"{shown}. Their buckets were reduced with zeros so that no rank hangs. If "
-                "some parameters are legitimately unused, pass "
-                "DataParallel(find_unused_parameters=True)."
+                f"{shown}. Their buckets were reduced with zeros so that no rank hangs. "
+                + (
+                    why
+                    or "If some parameters are legitimately unused, pass "
+                    "DataParallel(find_unused_parameters=True)."
+                )
             )
 
     def reset(self) -> None:

@@ -25,7 +25,10 @@ from cadence.data_parallel._buckets import build_buckets
 from cadence.data_parallel._ddp_args import UNSET, resolve_ddp_args
 from cadence.data_parallel._join import JoinableDataParallel, join_forward, refuse_inside_join
 from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
+from cadence.data_parallel._replica import Replica
+from cadence.data_parallel._sink import Sink, used_params
 from cadence.errors import CadenceValueError
+from cadence.fsdp._materialize import conversion_name
 from cadence.topology import DataParallelGroup, DataParallelLayout
 
 __all__ = ["DataParallel"]
@@ -34,43 +37,6 @@ _ACCUMULATE_OUTSIDE_JOIN = (
     "accumulate gradients outside the join context, or give every rank the same number "
     "of micro-steps per optimizer step."
 )
-
-
-class _Sink(torch.autograd.Function):
-    """Identity on the wrapper's outputs whose backward marks the start of a backward.
-
-    It runs before any wrapped parameter's gradient, in the graph task of the
-    caller's ``backward()``, which is where the window is armed and the
-    end-of-backward callback is queued (never from a nested reentrant task).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, reducer: Reducer, token: ForwardToken, *tensors: torch.Tensor) -> Any:
-        ctx.reducer = reducer
-        ctx.token = token
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.reducer.begin_backward(ctx.token)
-        return (None, None, *grads)
-
-
-def _used_params(outputs: list[torch.Tensor], index_of: dict[int, int]) -> set[int]:
-    """Parameter indices reachable from ``outputs`` through the autograd graph."""
-    used: set[int] = set()
-    seen: set[Any] = set()
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        var = getattr(fn, "variable", None)
-        if var is not None and id(var) in index_of:
-            used.add(index_of[id(var)])
-        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
-    return used
 
 
 class DataParallel(nn.Module, JoinableDataParallel):
@@ -208,7 +174,8 @@ class DataParallel(nn.Module, JoinableDataParallel):
         self.broadcast_buffers = plan.forward_sync_buffers
         self.require_forward_param_sync = True
         self._input_device = plan.input_device
-        self._buffers_to_sync = [b for n, b in module.named_buffers() if n not in plan.ignored]
+        # See [Note: module methods after wrapping] in _replica.py.
+        self._replica = Replica(module, named, set(plan.ignored))
         self._gradient_as_bucket_view = gradient_as_bucket_view
         self._no_sync_depth = 0
         self._is_last_backward = True
@@ -230,6 +197,7 @@ class DataParallel(nn.Module, JoinableDataParallel):
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
+        self._reducer.explain = self._replica.explain
         self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._reducer.on_grad_ready(i))
@@ -239,6 +207,11 @@ class DataParallel(nn.Module, JoinableDataParallel):
             self._attach_bucket_views()
 
     # -- construction ---------------------------------------------------------
+
+    @property
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        """The buffers the forward broadcasts, looked up now: conversions replace them."""
+        return self._replica.buffers()
 
     def _verify_and_broadcast(
         self, named: list[tuple[str, nn.Parameter]], *, with_buffers: bool
@@ -515,6 +488,30 @@ class DataParallel(nn.Module, JoinableDataParallel):
         )
         self.reset_iter_state()
 
+    # -- nn.Module methods (see [Note: module methods after wrapping] in _replica.py) --
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """Conversions that keep the wrapped parameters' dtype and device; others refused."""
+        what = f"{conversion_name()}()"
+        if self._reducer.pending:
+            raise DataParallelError(
+                f"{what} while gradient reductions are pending; call finalize_backward() first."
+            )
+        self._replica.refuse_conversion(fn, what)
+        out = super()._apply(fn, recurse=recurse)
+        self._replica.check(what)
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if assign:
+            raise DataParallelError(
+                "load_state_dict(assign=True) would replace the parameters DataParallel's "
+                "gradient hooks and buckets are bound to, so their gradients would never be "
+                "all-reduced. Fix: use assign=False (the default), which copies the values "
+                "in, or load into the model before wrapping it."
+            )
+        return super().load_state_dict(state_dict, strict=strict)
+
     # -- state ------------------------------------------------------------------
 
     @property
@@ -554,6 +551,7 @@ class DataParallel(nn.Module, JoinableDataParallel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
             self._reducer.check_can_start("the next forward")
+            self._replica.check_unfrozen("DataParallel forward")
         if self._gradient_as_bucket_view:
             self._attach_bucket_views()
         if self._join_config.enable:
@@ -583,8 +581,8 @@ class DataParallel(nn.Module, JoinableDataParallel):
             return out
         tensors = [flat[i] for i in positions]
         if self._reducer.find_unused:
-            token.used = _used_params(tensors, self._index_of)
-        sunk = _Sink.apply(self._reducer, token, *tensors)
+            token.used = used_params(tensors, self._index_of)
+        sunk = Sink.apply(self._reducer, token, *tensors)
         for i, t in zip(positions, sunk):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)

@@ -24,6 +24,7 @@ from cadence.fsdp._api import (
     check_offload_policy,
     to_mp_policy,
 )
+from cadence.fsdp._materialize import check_meta_consistent, conversion_name, conversion_target
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
 from cadence.fsdp._state import Runtime
 from cadence.fsdp._unit import ShardedState, Unit
@@ -320,13 +321,49 @@ class FullyShardedModule(nn.Module):
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        self._runtime.reshard_all_idle("load_state_dict()")
-        if assign:
-            raise FullyShardError(
-                "load_state_dict(assign=True) would replace the sharded parameters, which are "
-                "views into each unit's flat shard. Fix: use assign=False (the default)."
-            )
-        return super().load_state_dict(state_dict, strict=strict)
+        """Sharded entries (DTensors) copy into the shards; ``assign=True`` also takes full
+        tensors and materializes a meta model. See [Note: parameters replaced after
+        sharding] in ``_materialize.py``."""
+        what = "load_state_dict(assign=True)" if assign else "load_state_dict()"
+        self._runtime.reshard_all_idle(what)
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        for unit in self._units(recurse=True):
+            unit.refresh(what)
+        return out
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        """nn.Module's conversions (``to``, ``to_empty``, ``half``, ``cpu``, ...) on the shards.
+
+        The units are resharded first (the sharded parameters are what gets
+        converted), a device their shard group cannot use is refused before
+        anything changes, and afterwards each unit re-seats its converted
+        parameters in its flat shard: [Note: parameters replaced after sharding].
+        """
+        runtime = self._runtime
+        if runtime.applying:  # a unit inside another's _apply: the outer one re-seats
+            return super()._apply(fn, recurse=recurse)
+        what = f"{conversion_name()}()"
+        runtime.reshard_all_idle(what)
+        units = self._units(recurse)
+        for unit in units:
+            target = conversion_target(fn, unit.orig_dtype, unit.flat_shard.device)
+            if target is not None and target[1].type != "meta" and target[1] != unit.device:
+                where = f"unit {unit.path!r}" if unit.path else "the root unit"
+                raise FullyShardError(
+                    f"{what} would move the shards of {where} to {target[1]}, but their shard "
+                    f"group communicates on {unit.device}: fully_shard keeps a unit's shards "
+                    f"and buffers on its group's device. Fix: keep the model on {unit.device} "
+                    f"(to_empty(device={unit.device.type!r}) for a meta model), or build it on "
+                    f"{target[1].type} and shard it over a process group of that device."
+                )
+        runtime.applying = True
+        try:
+            out = super()._apply(fn, recurse=recurse)
+        finally:
+            runtime.applying = False
+        for unit in units:
+            unit.refresh(what)
+        return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Gathered plain tensors on every rank (collective: call it on every rank)."""
@@ -334,6 +371,7 @@ class FullyShardedModule(nn.Module):
         full: dict[int, torch.Tensor] = {}
         for unit in self._units(recurse=True):
             assert unit.comm is not None
+            unit.check_materialized("full_state_dict()")
             out = torch.empty(
                 unit.world * unit.shard_numel, dtype=unit.orig_dtype, device=unit.device
             )
@@ -346,7 +384,10 @@ class FullyShardedModule(nn.Module):
         return {k: full[id(v)] if id(v) in full else v.detach().clone() for k, v in sd.items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
-        """Load gathered tensors (``full_state_dict()`` or a single-process model)."""
+        """Load gathered tensors (``full_state_dict()`` or a single-process model).
+
+        A model still on meta is materialized from them (each rank keeps its rows).
+        """
         self._runtime.reshard_all_idle("load_full_state_dict()")
         current = super().state_dict(keep_vars=True)
         converted: dict[str, Any] = {}
@@ -366,7 +407,8 @@ class FullyShardedModule(nn.Module):
                 )
             else:
                 converted[key] = value
-        return super().load_state_dict(converted, strict=strict)
+        meta = any(unit.flat_shard.is_meta for unit in self._units(recurse=True))
+        return self.load_state_dict(converted, strict=strict, assign=meta)
 
 
 def _local_rows(target: DTensor) -> tuple[int, int]:
@@ -478,15 +520,22 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     params = collect_params(module, ignored=ignored)
     _check_placements(params, shard_placement_fn)
+    on_meta: list[str] = []
+    real: list[str] = []
     for info in params:
         reg_module, reg_name = info.registrations[0]
         p = reg_module._parameters[reg_name]
         assert p is not None
+        if p.is_meta:  # see [Note: meta-device init] in _materialize.py
+            on_meta.append(info.fqn)
+            continue
+        real.append(info.fqn)
         if p.device.type != device.type:
             raise FullyShardError(
                 f"parameter {info.fqn!r} is on {p.device} but the shard group uses {device}; "
-                f"move the module to {device} before fully_shard."
+                f"move the module to {device} (or build it on meta) before fully_shard."
             )
+    check_meta_consistent(on_meta, real, type(module).__name__)
     unit = Unit(
         module,
         params,
@@ -503,7 +552,9 @@ def fully_shard(
     inherited = [u.event_log for u in units if u.event_log is not None]
     log = event_log or (inherited[0] if inherited else None)
     runtime = Runtime(unit, units, log)
+    paths = {id(m): name for name, m in module.named_modules()}
     for u in units:
+        u.path = paths.get(id(u.module), "")
         if u.state is not ShardedState.SHARDED:
             u.reshard()
         u.module._cadence_runtime = runtime  # type: ignore[assignment]
@@ -522,10 +573,5 @@ def fully_shard(
     module.register_forward_hook(
         lambda m, args, output: wrapped._runtime.post_forward(unit, output)
     )
-    for info in params:
-        if info.requires_grad:
-            assert info.unsharded is not None
-            info.unsharded.register_post_accumulate_grad_hook(
-                lambda p: wrapped._runtime.post_accumulate(unit)
-            )
+    unit.register_grad_hooks(lambda p: wrapped._runtime.post_accumulate(unit))
     return module

@@ -50,6 +50,9 @@ class ParamInfo:
     local_rows: int = 0
     # -- tensors --
     sharded: nn.Parameter | None = None  # DTensor Shard(0), what the optimizer sees
+    # ``sharded``'s local tensor as seated (a view of the flat shard): when the object
+    # holds another one, something replaced it; see [Note: parameters replaced after sharding].
+    local: torch.Tensor | None = None
     unsharded: nn.Parameter | None = None  # view into the unit's unsharded_flat
 
     @property

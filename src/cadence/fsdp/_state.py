@@ -105,6 +105,8 @@ class Runtime:
         self.last_forward_order: list[Unit] = []
         self.backward_active = False
         self.split_part: str | None = None  # see [Note: split backward parts] in _timing.py
+        # A fully_shard module's _apply is running: units it reaches re-seat only after it.
+        self.applying = False
         # -- reductions: see [Note: one wait-and-cleanup path] --
         self.inflight: deque[PendingReduction] = deque()  # RS issued, not waited
         self.retired: list[PendingReduction] = []  # RS waited (AR maybe issued), grads not written
@@ -180,6 +182,7 @@ class Runtime:
             self.state = TrainingState.FORWARD
         if unit not in self.forward_order:
             self.forward_order.append(unit)
+        unit.sync_requires_grad()  # see [Note: requires_grad after sharding] in _unit.py
         unit.unshard(async_op=False)
         self.note_unsharded()
         self.prefetch(self.forward_targets(unit))
@@ -496,8 +499,13 @@ class Runtime:
         self.state = TrainingState.IDLE
 
     def reshard_all_idle(self, what: str) -> None:
+        """Between steps only: reshard every unit and adopt replaced parameters.
+
+        See [Note: parameters replaced after sharding] in ``_materialize.py``.
+        """
         if self.state is not TrainingState.IDLE or self.backward_active:
             raise FullyShardError(f"{what} during forward/backward; call it between steps.")
         for unit in self.units:
             if unit.state is not ShardedState.SHARDED:
                 unit.reshard()
+            unit.refresh(what)

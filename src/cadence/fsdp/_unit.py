@@ -6,7 +6,7 @@ See [Note: cadence FSDP tensors] in ``_param.py`` for the layouts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from cadence.comm import CollectiveAlgorithms, Comm, CommWork, EventLog
 from cadence.errors import CadenceValueError
-from cadence.fsdp._api import MixedPrecisionPolicy
+from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
+from cadence.fsdp._materialize import plan_reseat, replaced, seat
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
 from cadence.fsdp._streams import StreamSet
 from cadence.topology import DataParallelLayout
@@ -117,20 +118,29 @@ class Unit:
         # Comms) keeps what a setter chose earlier; None: CollectiveAlgorithms().
         self.collective_algorithms: CollectiveAlgorithms | None = None
         self.streams = StreamSet(self.device)  # see [Note: streams and events]
-        # -- sharded storage --
+        # Where this unit's module sits under its root, for messages (set by fully_shard).
+        self.path = ""
+        # -- sharded storage (on meta for a module built there: see [Note: meta-device init]) --
         self.shard_numel = make_layout(params, self.world, self.rank)
+        fulls = []
+        for info in params:
+            reg_module, reg_name = info.registrations[0]
+            full = reg_module._parameters[reg_name]
+            assert full is not None
+            fulls.append(full)
+        meta = any(full.is_meta for full in fulls)
         self.flat_shard = torch.zeros(
-            self.shard_numel, dtype=self.orig_dtype, device=self.device
+            self.shard_numel, dtype=self.orig_dtype, device="meta" if meta else self.device
         )  # 1D
         with torch.no_grad():
-            for info in params:
-                reg_module, reg_name = info.registrations[0]
-                full = reg_module._parameters[reg_name]
-                assert full is not None
-                start = min(self.rank * info.chunk_rows, info.shape[0])
-                rows = full.detach().narrow(0, start, info.local_rows)
-                self.flat_shard.narrow(0, info.offset, info.local_numel).copy_(rows.reshape(-1))
+            for info, full in zip(params, fulls):
+                if not meta:
+                    start = min(self.rank * info.chunk_rows, info.shape[0])
+                    rows = full.detach().narrow(0, start, info.local_rows)
+                    dst = self.flat_shard.narrow(0, info.offset, info.local_numel)
+                    dst.copy_(rows.reshape(-1))
                 info.sharded = make_sharded_param(info, self.flat_shard, self.mesh, self.placements)
+                info.local = info.sharded._local_tensor  # type: ignore[attr-defined]
                 info.register(info.sharded)
         # -- unsharded storage: one buffer, freed by resizing its storage to 0 --
         self.unsharded_flat = torch.empty(
@@ -154,6 +164,8 @@ class Unit:
         self.pre_backward_done = False
         self.hooks_fired = 0
         self.num_grad_params = sum(1 for p in params if p.requires_grad)
+        # requires_grad per parameter as last synced: see [Note: requires_grad after sharding].
+        self.grad_flags = [p.requires_grad for p in params]
         # -- prefetch lists --
         self.forward_prefetch: list[Unit] | None = None
         self.backward_prefetch: list[Unit] | None = None
@@ -199,6 +211,8 @@ class Unit:
             return
         if self.state is not ShardedState.UNSHARDING:
             assert self.comm is not None, "lazy init must run before unshard"
+            self.refresh("before an all-gather")
+            self.check_materialized("an all-gather (forward, backward or unshard())")
             with self.streams.issue("all_gather"):
                 if self.param_dtype == self.orig_dtype:
                     inp = self.flat_shard
@@ -222,6 +236,7 @@ class Unit:
         ag.work.wait()  # on NCCL: the current stream waits, the host does not
         self.streams.used_by(ag.output)
         self._alloc_unsharded()
+        self._check_unsharded_views()
         src = ag.output.view(self.world, self.shard_numel)
         unsharded = [info.unsharded for info in self.params]
         # Autograd saved these parameters in forward; refilling their storage for the
@@ -260,6 +275,120 @@ class Unit:
         self._free_unsharded()
         self.state = ShardedState.SHARDED
         self.stale = False
+
+    # -- parameters changed after sharding ---------------------------------------
+
+    def name_of(self, info: ParamInfo) -> str:
+        """``info``'s name under the root (what ``named_parameters()`` shows)."""
+        return f"{self.path}.{info.fqn}" if self.path else info.fqn
+
+    def refresh(self, what: str) -> None:
+        """Adopt what replaced the sharded parameters: [Note: parameters replaced after sharding]."""
+        registered = self.state is ShardedState.SHARDED
+        if not replaced(self.params, sharded_registered=registered):
+            return
+        plan = plan_reseat(
+            self.params,
+            mesh=self.mesh,
+            placements=self.placements,
+            device=self.device,
+            rank=self.rank,
+            sharded_registered=registered,
+            name_of=self.name_of,
+            what=what,
+        )
+        self.flat_shard = seat(
+            self.params,
+            plan,
+            self.flat_shard,
+            mesh=self.mesh,
+            placements=self.placements,
+            device=self.device,
+            sharded_registered=registered,
+        )
+        if plan.dtype != self.orig_dtype:
+            self._retype(plan.dtype)
+
+    def _retype(self, dtype: torch.dtype) -> None:
+        """The parameters now have ``dtype`` (``model.to(dtype)``, ``double()``, ...)."""
+        self.orig_dtype = dtype
+        self.param_dtype, self.reduce_dtype, self.accum_dtype = self.mp_policy.resolve(dtype)
+        if self.unsharded_flat.dtype == self.param_dtype:
+            return
+        self.unsharded_flat = torch.empty(
+            self.world * self.shard_numel, dtype=self.param_dtype, device=self.device
+        )
+        for info in self.params:
+            assert info.unsharded is not None
+            # ``.data`` keeps the object, and with it the gradient hook and the
+            # identity a compiled forward guards on.
+            info.unsharded.data = self.unsharded_flat.narrow(
+                0, self.world * info.offset, info.numel
+            ).view(info.shape)
+        self._free_unsharded()
+
+    def check_materialized(self, what: str) -> None:
+        if self.flat_shard.is_meta:
+            where = f"unit {self.path!r}" if self.path else "the root unit"
+            raise FullyShardError(
+                f"{what}: the parameters of {where} are still on the meta device. Fix: after "
+                f"fully_shard, materialize them with model.to_empty(device={self.device.type!r}) "
+                "and initialise them (reset_parameters() on each module, or your "
+                "init_weights()), or load them with load_state_dict(sd, assign=True)."
+            )
+
+    def _check_unsharded_views(self) -> None:
+        """The unsharded parameters still view the all-gather's destination (one read each)."""
+        base = self.unsharded_flat.data_ptr()
+        stride = self.world * self.unsharded_flat.element_size()
+        for info in self.params:
+            p = info.unsharded
+            assert p is not None
+            if info.numel and p.data_ptr() != base + info.offset * stride:
+                raise FullyShardError(
+                    f"parameter {self.name_of(info)!r} was replaced while its unit was "
+                    "unsharded (by to()/to_empty()/_apply() on a submodule of the unit?), so "
+                    "all-gathered values would no longer reach it. Fix: call such methods on "
+                    "the fully_shard module itself, which reshards first, or between steps."
+                )
+
+    # [Note: requires_grad after sharding]
+    # Autograd sees the unsharded parameters, but users freeze and unfreeze the ones
+    # they hold: the sharded DTensors, or the unsharded ones while a unit is unsharded
+    # (``parameters()`` returns those then). Each forward of a unit first carries a
+    # flag changed on either side to the other (the side that differs from what the
+    # unit recorded wins), so a frozen parameter gets no gradient (its ``.grad`` stays
+    # None, as with FSDP2 and a plain module) and an unfrozen one is gathered, reduced
+    # and stepped. Every unsharded parameter carries the post-accumulate hook from the
+    # start, frozen ones included, so unfreezing needs no new hook; the number of
+    # gradients the unit waits for is recounted at the same time.
+
+    def register_grad_hooks(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Hook every unsharded parameter; see [Note: requires_grad after sharding]."""
+        for info in self.params:
+            p = info.unsharded
+            assert p is not None
+            frozen = not p.requires_grad
+            if frozen:
+                p.requires_grad_(True)  # torch hooks only tensors that require grad
+            p.register_post_accumulate_grad_hook(hook)
+            if frozen:
+                p.requires_grad_(False)
+
+    def sync_requires_grad(self) -> None:
+        """See [Note: requires_grad after sharding]. Reads two flags per parameter."""
+        sharded = [info.sharded.requires_grad for info in self.params]  # type: ignore[union-attr]
+        unsharded = [info.unsharded.requires_grad for info in self.params]  # type: ignore[union-attr]
+        if sharded == unsharded == self.grad_flags:
+            return
+        for info, s_flag, u_flag in zip(self.params, sharded, unsharded):
+            flag = s_flag if s_flag != info.requires_grad else u_flag
+            if flag != info.requires_grad or s_flag != flag or u_flag != flag:
+                info.requires_grad = flag
+                info.sharded.requires_grad_(flag)  # type: ignore[union-attr]
+                info.unsharded.requires_grad_(flag)  # type: ignore[union-attr]
+        self.grad_flags = [info.requires_grad for info in self.params]
+        self.num_grad_params = sum(self.grad_flags)
 
     # -- gradients --------------------------------------------------------------
 
