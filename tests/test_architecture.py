@@ -2,11 +2,15 @@
 
 - No import cycles between cadence's modules. Every import counts, including those
   inside functions and under ``TYPE_CHECKING``: a type two modules share belongs in a
-  third module that both import.
+  third module that both import. (Which module may import which is the allowed-imports
+  table of tests/test_allowed_imports.py.)
 - No file in ``src/``, ``tests/``, ``bench/`` or ``examples/`` over 600 lines: a file
   that grows past that is split by layer.
 - No comment or docstring points outside the repository ("issue 5", "design note §3"):
   the reasoning is written next to the code as a ``[Note: ...]`` block instead.
+- docs/architecture.md names every module under ``src/cadence`` (by its path there,
+  ``pipeline/runtime/groups.py``, or its dotted name), and every ``.py`` path it names
+  exists: the map cannot silently drift from the code, either way.
 
 The ``KNOWN_*`` sets list what is still being moved; each entry is removed when it is
 fixed, and a fixed entry that is still listed fails the test, so the lists only shrink.
@@ -14,18 +18,18 @@ fixed, and a fixed entry that is still listed fails the test, so the lists only 
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 import pytest
 
+from tests._source_tree import PACKAGE, ROOT, SRC, cadence_imports, module_path, modules
+
 # No torch here: run once, not on every torch lane (see tests/conftest.py).
 pytestmark = pytest.mark.torch_free
 
-ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
 MAX_LINES = 600
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_LONG: set[str] = set()
@@ -38,49 +42,8 @@ _OUTSIDE_REF = re.compile(
 )
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted((SRC / "cadence").rglob("*.py"))}
-
-
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """cadence modules that ``name`` imports anywhere in its file."""
-    is_pkg = path.name == "__init__.py"
-    package = name if is_pkg else name.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            # ``from pkg import sub`` imports the submodule when there is one.
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
-        else:
-            continue
-        for t in targets:
-            while t and t not in known:
-                t = t.rpartition(".")[0]
-            if t and t != name:
-                out.add(t)
-    return out
-
-
 def _cycles() -> set[frozenset[str]]:
-    mods = _modules()
-    known = set(mods)
-    graph = {m: _imports(m, p, known) for m, p in mods.items()}
+    graph = {m: set(cadence_imports(m)) for m in modules()}
     # Tarjan's strongly connected components; a component of two or more is a cycle.
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -165,3 +128,27 @@ def test_no_reference_outside_the_repository() -> None:
     )
     fixed = KNOWN_OUTSIDE_REFS - files
     assert not fixed, f"remove fixed entries from KNOWN_OUTSIDE_REFS: {fixed}"
+
+
+def _named(text: str, name: str) -> bool:
+    """Whether ``text`` names module ``name`` by its path under src/cadence or dotted."""
+    path = re.escape(module_path(name))
+    if re.search(rf"(?<![\w/.]){path}(?![\w/])", text):
+        return True
+    return re.search(rf"(?<![\w.]){re.escape(name)}(?![\w]|\.\w)", text) is not None
+
+
+def test_the_architecture_doc_names_every_module() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    missing = [module_path(m) for m in modules() if not _named(text, m)]
+    assert not missing, (
+        "docs/architecture.md does not name these modules; add each, with its one-line "
+        "concern, to the module tables: " + ", ".join(missing)
+    )
+
+
+def test_every_path_the_architecture_doc_names_exists() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    paths = set(re.findall(r"`([\w./-]+\.py)`", text))
+    gone = sorted(p for p in paths if not any((d / p).exists() for d in (PACKAGE, SRC, ROOT)))
+    assert not gone, f"docs/architecture.md names files that do not exist: {gone}"

@@ -1,9 +1,14 @@
-"""The collective adapter: the one place in cadence that calls torch.distributed.
+"""The collective adapter: every collective and point-to-point message cadence sends.
 
-Why one place:
-- torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in
-  favour of ``all_gather_single`` / ``reduce_scatter_single``; names are resolved
-  once here, with fallbacks for older releases.
+The wrappers, the pipeline runtime and the trainer's loop move data only through
+`Comm`. The process-group API is still called elsewhere for what `Comm` does not
+do (starting the job, creating groups, asking a group for ranks); docs/architecture.md
+("Who calls torch.distributed") lists each such module and why.
+
+Why one place for the collectives:
+- The collectives the training path issues are all here, under the names every
+  supported torch has: ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13
+  deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in their favour).
 - Averaging has one implementation; see [Note: AVG is SUM plus a divide].
 - Every collective can be recorded in an opt-in `EventLog` (kind, bytes, group,
   issue time, wait start, wait end). Tests and benchmarks read it to prove
@@ -53,18 +58,6 @@ __all__ = [
 ]
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
-
-# Resolved once: prefer the non-deprecated names of torch 2.13.
-_all_gather_single = (
-    getattr(dist, "all_gather_single", None)
-    or getattr(dist, "all_gather_into_tensor", None)
-    or dist._all_gather_base
-)
-_reduce_scatter_single = (
-    getattr(dist, "reduce_scatter_single", None)
-    or getattr(dist, "reduce_scatter_tensor", None)
-    or dist._reduce_scatter_base
-)
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -418,7 +411,7 @@ class Comm:
             work = exchange_all_gather(self.group, output, input, self.rank, self.world_size)
         else:
             event = self._event("all_gather", output)
-            work = _all_gather_single(output, input, group=self.group, async_op=True)
+            work = dist.all_gather_single(output, input, group=self.group, async_op=True)
         return self._finish(CommWork(work, event=event, tensors=(output, input)), async_op)
 
     def reduce_scatter_single(
@@ -450,7 +443,7 @@ class Comm:
             )
         else:
             event = self._event("reduce_scatter", input, op=op)
-            work = _reduce_scatter_single(
+            work = dist.reduce_scatter_single(
                 output, input, op=torch_op, group=self.group, async_op=True
             )
         return self._finish(

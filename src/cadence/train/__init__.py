@@ -40,10 +40,7 @@ _LAZY = {
     "run_rank": "cadence.train.run:run_rank",
     "train": "cadence.train.run:train",
 }
-# ``cadence.train`` was one module; its parser hook moved to the one CLI module.
-_MOVED = {"add_train_subcommand": "cadence.cli:add_train_subcommand"}
-
-__getattr__ = lazy_getattr("cadence.train", _LAZY, globals(), _MOVED)
+__getattr__ = lazy_getattr("cadence.train", _LAZY, globals())
 
 if TYPE_CHECKING:  # static tools see the eager imports
     from cadence.train.build import TrainState, build_state
