@@ -13,6 +13,18 @@ Why one place for the collectives:
 - Every collective can be recorded in an opt-in `EventLog` (kind, bytes, group,
   issue time, wait start, wait end). Tests and benchmarks read it to prove
   counts, order and overlap, independently of the backend.
+- Setup and teardown cost the same per rank at any world: see [Note: agreeing by digest].
+
+[Note: agreeing by digest]
+Ranks check that they agree (plans, options, cache keys) with ``agree``: each hashes
+its canonical bytes (SHA-256) into 8 words of 32 bits and one all-reduce MAX runs
+over the words and their negations, so min == max per word (-max(-w) is the min)
+iff every rank hashed the same bytes. The tensor has a fixed size, so each rank
+moves O(1) bytes at any world, where an all-gather moves world x the payload and an
+object collective also unpickles what peers sent. 32-bit words keep the negation
+exact in int64. Flags (a local error, a cache miss) ride in the same all-reduce.
+Details are exchanged (``all_gather_bytes``) only once ``agree`` found a difference,
+to name which ranks differ and how. Reports go to one rank (``gather_bytes``).
 
 `ReductionHandle` is the asynchronous-completion type shared by DataParallel,
 fully_shard and the pipeline runtime.
@@ -28,12 +40,14 @@ ran it.
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +62,7 @@ from cadence._exchange import (
 from cadence.errors import CadenceRuntimeError, CadenceValueError
 
 __all__ = [
+    "Agreement",
     "CollectiveAlgorithms",
     "Comm",
     "CommEvent",
@@ -321,6 +336,13 @@ class ReductionHandle:
 # ---------------------------------------------------------------------------
 
 
+class Agreement(NamedTuple):
+    """What `Comm.agree` found: ``same`` digest on every rank; ``raised[i]``: any rank set flag i."""
+
+    same: bool
+    raised: tuple[bool, ...]
+
+
 class Comm:
     """Collectives over one process group, optionally recorded in an `EventLog`.
 
@@ -490,12 +512,83 @@ class Comm:
         dist.broadcast_object_list(box, group=self.group, group_src=src)
         return box[0]
 
+    # -- setup and teardown: sizes that do not grow with the world -------------
+
+    def agree(self, data: bytes = b"", flags: Sequence[bool] = ()) -> Agreement:
+        """Whether every rank passed the same ``data``, and which ``flags`` any rank set.
+
+        One all-reduce of ``8 * (16 + len(flags))`` bytes, recorded as ``"agree"``,
+        whatever the world size and however long ``data`` is. Nothing a peer sends is
+        unpickled. See [Note: agreeing by digest].
+        """
+        digest = hashlib.sha256(data).digest()
+        words = [int.from_bytes(digest[i : i + 4], "big") for i in range(0, len(digest), 4)]
+        vec = torch.tensor(
+            [*words, *(-w for w in words), *(int(bool(f)) for f in flags)],
+            dtype=torch.int64,
+            device=_group_device(self.backend),
+        )
+        event = self._event("agree", vec)
+        work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._finish(CommWork(work, event=event, tensors=(vec,)), False)
+        got = vec.tolist()
+        n = len(words)
+        same = all(got[i] == -got[n + i] for i in range(n))
+        return Agreement(same, tuple(v != 0 for v in got[2 * n :]))
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` in rank order (world x the longest: only after a difference)."""
+        device = _group_device(self.backend)
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        self.all_gather_single(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+        longest = int(sizes.max())
+        every = torch.empty(longest * self.world_size, dtype=torch.uint8, device=device)
+        self.all_gather_single(every, _padded(data, longest, device))
+        raw = _to_bytes(every)
+        return [raw[r * longest : r * longest + n] for r, n in enumerate(sizes.tolist())]
+
+    def gather_bytes(self, data: bytes, *, dst: int = 0) -> list[bytes] | None:
+        """Every rank's ``data`` on group rank ``dst`` (None elsewhere).
+
+        A rank other than ``dst`` sends 8 bytes and the longest rank's payload: the
+        caller bounds each rank's ``data``, and so ``dst``'s memory too.
+        """
+        device = _group_device(self.backend)
+        longest = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        self.all_reduce(longest, op="max")
+        width = 8 + int(longest.item())  # a length header, then the padded payload
+        mine = _padded(len(data).to_bytes(8, "big") + data, width, device)
+        out = None
+        if self.rank == dst:
+            out = torch.empty(width * self.world_size, dtype=torch.uint8, device=device)
+        event = self._event("gather", out if out is not None else mine, dst=dst)
+        parts = list(out.chunk(self.world_size)) if out is not None else None
+        work = dist.gather(mine, parts, group=self.group, group_dst=dst, async_op=True)
+        self._finish(CommWork(work, event=event, tensors=(mine, *(parts or ()))), False)
+        if out is None:
+            return None
+        raw = _to_bytes(out)
+        rows = [raw[r * width : (r + 1) * width] for r in range(self.world_size)]
+        return [row[8 : 8 + int.from_bytes(row[:8], "big")] for row in rows]
+
     def barrier(self) -> None:
         self._event("barrier", None)
         # A tiny all-reduce instead of dist.barrier(): gloo's barrier ignores the group's
         # device and NCCL's warns without a device id; an all-reduce works on both.
         flag = torch.zeros(1, device=_group_device(self.backend))
         dist.all_reduce(flag, group=self.group)
+
+
+def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        out[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out.to(device)
+
+
+def _to_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.cpu().contiguous()
+    return ctypes.string_at(flat.data_ptr(), flat.numel())
 
 
 def _group_device(backend: str) -> torch.device:

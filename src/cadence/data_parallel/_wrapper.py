@@ -6,6 +6,7 @@ See [Note: DP reduction windows] in ``_reducer.py`` for the state machine.
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -218,8 +219,14 @@ class DataParallel(nn.Module, JoinableDataParallel):
     ) -> None:
         if self._comm.world_size == 1:
             return
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        everyone = self._comm.all_gather_object(mine)
+        # A digest vote, whatever the world; the lists travel (as JSON) only when they
+        # differ, to name the difference. See [Note: agreeing by digest].
+        mine = [[n, list(p.shape), str(p.dtype)] for n, p in named]
+        encoded = json.dumps(mine).encode()
+        if self._comm.agree(encoded).same:
+            everyone = [mine]
+        else:
+            everyone = [json.loads(b) for b in self._comm.all_gather_bytes(encoded)]
         for rank, theirs in enumerate(everyone):
             if theirs != everyone[0]:
                 diff = next(

@@ -9,10 +9,12 @@ The steps of one call, on every rank of the group:
    [Note: precompile cache key file]), read ``CADENCE_JOB_SECRET``, build the cache
    key (`_key`) and look the artifact up; a refused artifact is a warning, never an
    error.
-3. One small all-gather: which ranks hit the cache, whether all ranks built the same
-   key (if not, every rank raises `RankMismatchError` naming the differing fields),
-   whether a rank refused its cache directory or its secret (then every rank raises,
-   see [Note: precompile refusals travel]) and which ranks have a job secret.
+3. One fixed-size vote (an all-reduce of the key's digest and four flags, the same
+   bytes per rank at any world size): whether every rank hit the cache, built the
+   same key, refused nothing and agrees on having a job secret. Only if not are the
+   details gathered: every rank raises `RankMismatchError` naming the differing
+   fields, or the refusal of the rank that refused its cache directory or its secret
+   (see [Note: precompile refusals travel]), or which ranks lack the secret.
 4. If every rank hit, each loads its own file (``source == "cache"``). Otherwise rank
    ``src`` compiles (or loads its hit) and broadcasts the artifact, signed with the
    job's secret ([Note: precompile transport key]); the others wait asleep (see
@@ -23,8 +25,8 @@ A misuse is refused before any collective, because every rank makes the same one
 untrusted cache directory or a malformed ``CADENCE_JOB_SECRET`` is different: node-local
 folders and environments differ, so one rank may refuse while the others go on to the
 first collective and would wait there until the group's timeout. So such a refusal is
-not raised at once: it rides in the first gather, and then every rank raises, the
-refusing rank its own error and the others the same type naming that rank. An untrusted
+not raised at once: it rides in the first vote as a flag, the details follow in a
+gather, and then every rank raises, the refusing rank its own error and the others the same type naming that rank. An untrusted
 directory is raised, not skipped with a warning: the caller asked for a cache, and the
 fix (a private folder) is theirs to make; compiling quietly without one would hide that
 someone else can write where they keep code.
@@ -32,6 +34,7 @@ someone else can write where they keep code.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import types
@@ -133,16 +136,28 @@ def _agree(
     hit: bool,
     refused: tuple[str, Exception] | None,
     has_secret: bool,
-) -> list[dict[str, Any]]:
-    """The first gather; raises on every rank what any rank refused.
+) -> bool:
+    """The first collective: whether every rank hit its cache; raises on every rank what
+    any rank refused.
 
     ``refused`` is what this rank refused locally (its cache directory or its secret),
     raised only after the others heard of it: see [Note: precompile refusals travel].
+    One fixed-size vote first ([Note: agreeing by digest] in ``cadence/comm.py``): the
+    key's digest and four flags. The details (each field's digest, each refusal) are
+    gathered only when the vote found a difference, to name the ranks and fields.
     """
+    fields = key.field_digests()
+    vote = channel.comm.agree(
+        json.dumps(fields, sort_keys=True).encode(),
+        flags=(refused is not None, not hit, has_secret, not has_secret),
+    )
+    some_refused, some_missed, some_secret, some_without = vote.raised
+    if vote.same and not some_refused and not (some_secret and some_without):
+        return not some_missed
     everyone = channel.gather(
         {
             "hit": hit,
-            "fields": key.field_digests(),
+            "fields": fields,
             "refused": None
             if refused is None
             else [refused[0], type(refused[1]).__name__, str(refused[1])],
@@ -180,7 +195,7 @@ def _agree(
             f"{channel.src} (group ranks; differing fields: {detail}). Every rank must call "
             "precompile with the same function, input specs, global state and environment."
         )
-    return everyone
+    return all(e["hit"] for e in everyone)
 
 
 def precompile(
@@ -263,8 +278,8 @@ def precompile(
         else:
             variant, source = job.compile_and_save(key, args, kwargs, cap)[0], "compiled"
     else:
-        everyone = _agree(channel, key, found is not None, refused, secret is not None)
-        if found is not None and all(e["hit"] for e in everyone):
+        all_hit = _agree(channel, key, found is not None, refused, secret is not None)
+        if found is not None and all_hit:
             variant, source, _ = job.load_or_compile(found, key, args, kwargs, cap, "cache")
         else:
             signing = secret if secret is not None else channel.group_secret()

@@ -28,7 +28,7 @@ class PrecompileError(CadenceError, RuntimeError):
 class PrecompileUsageError(CadenceError, ValueError, TypeError):
     """A precompile argument or setting is invalid; raised before any compile, and before
     any collective unless it may differ between ranks (``CADENCE_JOB_SECRET``): that is
-    raised on every rank after the first gather."""
+    raised on every rank after the first vote."""
 
 
 class FrozenStateError(PrecompileError, ValueError):

@@ -26,9 +26,10 @@ artifact, once per process group (`Channel.group_secret`). The second way keeps 
 anyone who cannot see the group's traffic, no more: whoever can read it learns the
 secret, whoever can write into it could already feed torch.distributed anything. Ranks
 must agree on which way, or one would wait for an exchange the others skip, so every
-rank reports whether it has the variable in the first gather, and a group that
-disagrees is refused on every rank. That gather itself carries JSON, not a pickle: no
-rank unpickles anything a peer sent before a tag has verified.
+rank reports whether it has the variable as a flag of the first vote (a digest
+all-reduce: see [Note: agreeing by digest]), and a group that disagrees is refused on
+every rank. The details that follow a difference travel as JSON, not a pickle: no rank
+unpickles anything a peer sent before a tag has verified.
 """
 
 from __future__ import annotations

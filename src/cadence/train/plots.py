@@ -5,10 +5,13 @@ once and writes no pictures. Rendered with the Agg backend, so no display is nee
 
 - ``loss.png``: every step's loss (across restarts), a dotted line at each
   checkpoint, a red line at each step a restart continued from.
-- ``timeline.png``: a few steps of every rank on its own clock (each rank starts at
-  its first shown step): the step's span (compute), communication in flight (issued,
-  not yet waited: overlapped with compute) and exposed waits (blocked in ``wait()``),
-  from the `EventLog` of the data-parallel wrappers.
+- ``timeline.png``: the last `TIMELINE_STEPS` steps of every rank on its own clock
+  (each rank starts at its first shown step): the step's span (compute),
+  communication in flight (issued, not yet waited: overlapped with compute) and
+  exposed waits (blocked in ``wait()``), from the `EventLog` of the data-parallel
+  wrappers. Each rank sends rank 0 at most `TIMELINE_MAX_EVENTS` communication
+  events (the latest), so rank 0's memory stays bounded at any world size; the
+  title and ``metrics.json["timeline_bounds"]`` say how many were dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +21,17 @@ from typing import Any
 
 from cadence.train.history import RunHistory
 
-__all__ = ["TimelineEvent", "timeline_events", "write_plots"]
+__all__ = [
+    "TIMELINE_MAX_EVENTS",
+    "TIMELINE_STEPS",
+    "TimelineEvent",
+    "capped_timeline",
+    "timeline_events",
+    "write_plots",
+]
+
+TIMELINE_STEPS = 3
+TIMELINE_MAX_EVENTS = 512  # communication events per rank; step spans are always kept
 
 # (kind, group, issue_t, wait_start_t, wait_end_t); kind "step" spans a step:
 # group is the step number, issue_t its start and wait_end_t its end.
@@ -40,6 +53,18 @@ def timeline_events(log: Any, steps: int = 3) -> list[TimelineEvent]:
         if lo <= e.issue_t <= hi
     ]
     return out
+
+
+def capped_timeline(
+    log: Any, steps: int = TIMELINE_STEPS, max_events: int = TIMELINE_MAX_EVENTS
+) -> tuple[list[TimelineEvent], int]:
+    """`timeline_events` with the latest ``max_events`` communication events at most,
+    and how many earlier ones were dropped."""
+    events = timeline_events(log, steps)
+    spans = [e for e in events if e[0] == "step"]
+    comms = [e for e in events if e[0] != "step"]
+    kept = comms[len(comms) - max_events :] if len(comms) > max_events else comms
+    return spans + kept, len(comms) - len(kept)
 
 
 def _pyplot() -> Any:
@@ -69,7 +94,7 @@ def _plot_loss(plt: Any, history: RunHistory, path: Path) -> None:
     plt.close(fig)
 
 
-def _plot_timeline(plt: Any, per_rank: list[list[TimelineEvent]], path: Path) -> None:
+def _plot_timeline(plt: Any, per_rank: list[list[TimelineEvent]], path: Path, note: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 1 + 0.8 * len(per_rank)))
     labels = {"step": "compute (step)", "flight": "comm in flight", "wait": "exposed wait"}
     used: set[str] = set()
@@ -101,7 +126,7 @@ def _plot_timeline(plt: Any, per_rank: list[list[TimelineEvent]], path: Path) ->
     ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the rank's first shown step")
-    ax.set_title("cadence train: per-rank timeline")
+    ax.set_title("cadence train: per-rank timeline" + (f"\n{note}" if note else ""), fontsize=9)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -109,14 +134,15 @@ def _plot_timeline(plt: Any, per_rank: list[list[TimelineEvent]], path: Path) ->
 
 
 def write_plots(
-    run_dir: Path, history: RunHistory, per_rank: list[list[TimelineEvent]]
+    run_dir: Path, history: RunHistory, per_rank: list[list[TimelineEvent]], note: str = ""
 ) -> list[Path] | str:
-    """Write ``loss.png`` and ``timeline.png``; returns their paths, or why not."""
+    """Write ``loss.png`` and ``timeline.png`` (``note`` under its title); returns their
+    paths, or why not."""
     try:
         plt = _pyplot()
     except ImportError:
         return "no plots: matplotlib is not installed (pip install 'cadence[viz]')"
     loss, timeline = run_dir / "loss.png", run_dir / "timeline.png"
     _plot_loss(plt, history, loss)
-    _plot_timeline(plt, per_rank, timeline)
+    _plot_timeline(plt, per_rank, timeline, note)
     return [loss, timeline]

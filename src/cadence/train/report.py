@@ -123,7 +123,8 @@ def write_metrics(
     cfg: TrainConfig, summary: dict[str, Any], result: dict[str, Any], run_dir: Path
 ) -> Path:
     """``run_dir/metrics.json``: config, summary, every step's loss (from step 1, across
-    restarts), the steps checkpointed and resumed from, collectives, pipeline facts."""
+    restarts), the steps checkpointed and resumed from, collectives, pipeline facts,
+    and what the timeline picture keeps of each rank (``timeline_bounds``)."""
     metrics = {
         "config": asdict(cfg),
         "summary": summary,
@@ -132,7 +133,7 @@ def write_metrics(
         "resumes": result["history"].resumes,
         "collectives_rank0": result["collectives"],
     }
-    for key in ("pipeline", "precompile"):
+    for key in ("pipeline", "precompile", "timeline_bounds"):
         if key in result:
             metrics[key] = result[key]
     path = run_dir / "metrics.json"

@@ -2,11 +2,21 @@
 
 Runs on ``--nproc`` local ranks (spawned with `cadence.launch`), or on the ranks
 torchrun started (when ``RANK``/``WORLD_SIZE`` are set).
+
+[Note: reports go to rank 0]
+Only rank 0 reports, so the per-rank reports (precompile's sources and seconds, the
+timeline) are gathered to rank 0 alone, as JSON (`Comm.gather_bytes`): a rank other
+than 0 sends its own report and receives nothing, whatever the world size, and no
+rank unpickles what a peer sent. Each timeline is capped (`capped_timeline`: the
+last steps, at most `TIMELINE_MAX_EVENTS` communication events), so rank 0 holds
+at most world x that bound. The other ranks return None for both (a launch sends
+every rank's return value to the parent).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -17,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cadence._dist_init import init
+from cadence.comm import Comm
 from cadence.launch import launch
 from cadence.train.build import build_state, topology_for
 from cadence.train.checkpoint import (
@@ -29,7 +40,13 @@ from cadence.train.checkpoint import (
 from cadence.train.config import TrainConfig
 from cadence.train.history import RunHistory
 from cadence.train.loop import run_loop
-from cadence.train.plots import timeline_events, write_plots
+from cadence.train.plots import (
+    TIMELINE_MAX_EVENTS,
+    TIMELINE_STEPS,
+    TimelineEvent,
+    capped_timeline,
+    write_plots,
+)
 from cadence.train.report import Progress, print_table, summarize, write_config, write_metrics
 
 __all__ = ["run_rank", "train"]
@@ -47,12 +64,12 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         history, note = load_checkpoint(cfg, state)
         if pg.rank == 0:
             print(f"cadence train: {note}", file=sys.stderr, flush=True)
+    reports = Comm(None, name="report")  # see [Note: reports go to rank 0]
     compiled: list[Any] | None = None
     if cfg.compile:
         from cadence.train.compile import compile_state  # imports the precompile stack
 
-        compiled = [None] * pg.world_size
-        dist.all_gather_object(compiled, compile_state(cfg, state))
+        compiled = _to_rank0(reports, compile_state(cfg, state))
     saver = Checkpointer(cfg, state) if cfg.checkpoint_every else None
     bar = Progress(cfg.steps, state.step) if pg.rank == 0 else None
     board = _tensorboard(cfg, state.step) if cfg.tensorboard and pg.rank == 0 else None
@@ -74,8 +91,8 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     if board is not None:
         board.close()
     log = state.event_log
-    timeline: list[Any] = [None] * pg.world_size
-    dist.all_gather_object(timeline, timeline_events(log))
+    events, dropped = capped_timeline(log)
+    sent = _to_rank0(reports, {"events": events, "dropped": dropped})
     reduced = layout.wrapper != "none"
     out: dict[str, Any] = {
         "losses": history.losses,
@@ -88,9 +105,16 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         if reduced
         else float("nan"),
         "collectives": log.counts(),
-        "timeline": timeline,
+        "timeline": None if sent is None else [_events(r["events"]) for r in sent],
+        "timeline_bounds": None
+        if sent is None
+        else {
+            "steps_per_rank": TIMELINE_STEPS,
+            "max_events_per_rank": TIMELINE_MAX_EVENTS,
+            "dropped_events_per_rank": [r["dropped"] for r in sent],
+        },
     }
-    if compiled is not None:
+    if cfg.compile:
         out["precompile"] = compiled
     if layout.pp > 1:
         out["pipeline"] = {
@@ -106,6 +130,30 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
             "wrapper": layout.wrapper,
         }
     return out
+
+
+def _to_rank0(comm: Comm, report: Any) -> list[Any] | None:
+    """Every rank's JSON-able ``report`` on rank 0, in rank order; None on the others."""
+    got = comm.gather_bytes(json.dumps(report).encode(), dst=0)
+    return None if got is None else [json.loads(raw) for raw in got]
+
+
+def _events(rows: list[list[Any]]) -> list[TimelineEvent]:
+    return [(str(k), str(g), float(t), w0, w1) for k, g, t, w0, w1 in rows]
+
+
+def _timeline_note(bounds: dict[str, Any]) -> str:
+    """What the timeline picture leaves out, for its title."""
+    note = (
+        f"last {bounds['steps_per_rank']} steps per rank, at most "
+        f"{bounds['max_events_per_rank']} communication events each"
+    )
+    dropped = {r: n for r, n in enumerate(bounds["dropped_events_per_rank"]) if n}
+    if dropped:
+        note += "; earlier events dropped: " + ", ".join(
+            f"rank {r}: {n}" for r, n in dropped.items()
+        )
+    return note
 
 
 def _run_torchrun_rank(cfg: TrainConfig) -> dict[str, Any]:
@@ -176,7 +224,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     summary = summarize(cfg, layout, result)
     write_metrics(cfg, summary, result, run_dir)
     write_config(cfg, run_dir)
-    plots = write_plots(run_dir, result["history"], result["timeline"])
+    plots = write_plots(
+        run_dir, result["history"], result["timeline"], _timeline_note(result["timeline_bounds"])
+    )
     if isinstance(plots, str):
         print(f"cadence train: {plots}", file=sys.stderr)
     print_table(summary, run_dir, result.get("precompile"))

@@ -190,6 +190,7 @@ class PipelineRuntime:
             event_log=event_log,
             local_error=local_error,
             agree=("tied_parameters", ties),
+            pp_groups=groups.topology.groups_of("pp") if groups is not None else None,
         )
         # See [Note: tied parameters across stages] in tied.py.
         self.tied = TiedParameters(

@@ -16,11 +16,21 @@ depends on the plan's mode:
 [Note: why the vote goes first]
 ``new_group`` is a collective over the default group and ``split_group`` over its
 parent: if ranks disagree on the channel list they call it a different number of
-times and hang inside the constructor. So every rank first all-gathers its
-``(ChannelPlan, pp ranks, local setup error)`` over the world and compares the
-plans' digests (the one digest of [Note: one plan, one digest]); a mismatch, or
-any rank's local error, raises `PlanMismatchError` on every rank, naming the ranks
-and what differs, before any group exists.
+times and hang inside the constructor. So every rank first votes, before any group
+exists: one `Comm.agree` over the world on the digest of its plan (the one digest
+of [Note: one plan, one digest]), its ``agree`` options and every pp group's ranks,
+with its local setup error as a flag ([Note: agreeing by digest] in ``comm.py``).
+That costs each rank the same few bytes at any world size, and unpickles nothing.
+Only when the digests differ or some rank has an error do the ranks exchange the
+details (``(plan, pp ranks, local error, options)`` as JSON) so that every rank
+raises the same `PlanMismatchError`, naming the ranks and what differs.
+
+[Note: where the pp groups come from]
+Every rank creates every pp group's channel groups, so it must know them all.
+`PipelineRuntime` passes them from the topology (``pp_groups``), and a pipeline
+over the whole world has one; they are part of the voted digest, so ranks that
+disagree fail in the vote. A caller that gives neither makes the ranks exchange
+their pp ranks (world x a pp group per rank, once per plan).
 
 [Note: every pp group, every rank]
 With data parallelism there are several pp groups (pp=2 x dp=2 at world 4 has
@@ -39,6 +49,8 @@ are written to upstream's algorithm and are only exercised where a GPU exists.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -117,6 +129,7 @@ def build_channel_groups(
     event_log: EventLog | None = None,
     local_error: str | None = None,
     agree: object = None,
+    pp_groups: Sequence[Sequence[int]] | None = None,
 ) -> ChannelGroups:
     """Vote on the plan on every rank, then create (or reuse) and preconnect the groups.
 
@@ -126,6 +139,8 @@ def build_channel_groups(
     *every* rank raises it instead of the healthy ranks waiting for this one in a
     collective. ``agree``: a further value (with a
     stable ``repr``) every rank must have passed alike, checked in the same vote.
+    ``pp_groups``: every pp group's ranks, each in pipeline order (the topology's
+    ``groups_of("pp")``); see [Note: where the pp groups come from].
     See [Note: why the vote goes first].
     """
     world = Comm(None, event_log=event_log, name="pp-setup")
@@ -133,30 +148,34 @@ def build_channel_groups(
     me = dist.get_rank()
     if me not in pp_ranks_t:
         local_error = local_error or f"rank {me} is not in its own pp_ranks {list(pp_ranks_t)}"
-    # -- 1. the vote, before any group (see [Note: why the vote goes first])
-    everyone = world.all_gather_object((plan, pp_ranks_t, local_error, repr(agree)))
-    errors = [(r, err) for r, (_, _, err, _) in enumerate(everyone) if err]
-    agreed = {a for *_, a in everyone}
-    if not errors and len(agreed) > 1:
-        errors = [
-            (r, f"pipeline options differ across ranks: {a}") for r, (*_, a) in enumerate(everyone)
-        ]
-    if errors:
-        raise PlanMismatchError(
-            "pipeline setup failed (no group was created):\n"
-            + "\n".join(f"  rank {r}: {msg}" for r, msg in errors)
+    known = _known_pp_groups(pp_groups, pp_ranks_t, world.world_size)
+    if known is not None and pp_ranks_t not in known:
+        local_error = local_error or (
+            f"pp_ranks {list(pp_ranks_t)} is not one of the pp groups {[list(g) for g in known]}"
         )
-    _check_plans([(p, pp) for p, pp, _, _ in everyone])
-    pp_groups = sorted({pp for _, pp, _, _ in everyone})
+    # -- 1. the vote, before any group (see [Note: why the vote goes first])
+    mine = {
+        "plan": plan.to_json(),
+        "agree": repr(agree),
+        "pp_groups": None if known is None else [list(g) for g in known],
+    }
+    canonical = json.dumps(mine, sort_keys=True).encode()
+    vote = world.agree(canonical, flags=(local_error is not None, known is None))
+    if not vote.same or any(vote.raised):
+        details = {**mine, "pp": list(pp_ranks_t), "error": local_error}
+        sent = world.all_gather_bytes(json.dumps(details, sort_keys=True).encode())
+        known = _settle([json.loads(raw) for raw in sent])
+    assert known is not None  # _settle raised, or every rank knows the same pp groups
+    pp_groups_t = sorted(known)
     # -- 2. create (collective over the world, identical order on every rank)
     backend = str(dist.get_backend())
     # Payloads pick the groups only per direction (elsewhere both share a channel's).
     payloads = plan.payloads if plan.mode == "per_direction" else ()
-    key = (tuple(pp_groups), plan.edges, plan.rounds, payloads, plan.mode, backend)
+    key = (tuple(pp_groups_t), plan.edges, plan.rounds, payloads, plan.mode, backend)
     per_world = _CACHE.setdefault(dist.group.WORLD, {})
     created = key in per_world
     if not created:
-        per_world[key] = _create(pp_groups, plan, backend, pp_group)
+        per_world[key] = _create(pp_groups_t, plan, backend, pp_group)
     by_route = per_world[key]
     pp_rank = pp_ranks_t.index(me)
     groups = {
@@ -164,32 +183,102 @@ def build_channel_groups(
         for ch, payload in _routes(plan)
         if pp_rank in ch
     }
-    result = ChannelGroups(pp_rank, pp_ranks_t, plan, groups, tuple(pp_groups))
+    result = ChannelGroups(pp_rank, pp_ranks_t, plan, groups, tuple(pp_groups_t))
     # -- 3. preconnect, so no communicator is first used inside step()
     if preconnect and not created:
         _preconnect(result, world, event_log)
     return result
 
 
-def _check_plans(everyone: list[tuple[ChannelPlan, tuple[int, ...]]]) -> None:
+def _known_pp_groups(
+    given: Sequence[Sequence[int]] | None, pp_ranks: tuple[int, ...], world_size: int
+) -> tuple[tuple[int, ...], ...] | None:
+    """Every pp group, sorted, when this rank can tell without asking the others."""
+    if given is not None:
+        return tuple(sorted(tuple(int(r) for r in g) for g in given))
+    if sorted(pp_ranks) == list(range(world_size)):
+        return (pp_ranks,)  # one pipeline over the whole world
+    return None
+
+
+def _settle(everyone: list[dict]) -> tuple[tuple[int, ...], ...]:
+    """Raise the setup's `PlanMismatchError` (the same on every rank), or the pp groups.
+
+    ``everyone``: each rank's details, exchanged because the vote found a difference,
+    an error, or a rank that could not tell the pp groups.
+    """
+    errors = [(r, e["error"]) for r, e in enumerate(everyone) if e["error"]]
+    agreed = {e["agree"] for e in everyone}
+    if not errors and len(agreed) > 1:
+        errors = [
+            (r, f"pipeline options differ across ranks: {e['agree']}")
+            for r, e in enumerate(everyone)
+        ]
+    if errors:
+        raise PlanMismatchError(
+            "pipeline setup failed (no group was created):\n"
+            + "\n".join(f"  rank {r}: {msg}" for r, msg in errors)
+        )
+    _check_plans([(e["plan"], tuple(e["pp"])) for e in everyone])
+    gathered = tuple(sorted({tuple(e["pp"]) for e in everyone}))
+    named = {r: e["pp_groups"] for r, e in enumerate(everyone) if e["pp_groups"] is not None}
+    wrong = {r: g for r, g in named.items() if tuple(tuple(x) for x in g) != gathered}
+    if wrong:
+        raise PlanMismatchError(
+            "pipeline setup failed (no group was created): the pp groups ranks named "
+            f"differ from their pp ranks {[list(g) for g in gathered]}:\n"
+            + "\n".join(f"  rank {r}: pp groups {g}" for r, g in wrong.items())
+            + "\nPass every rank the same topology's pp groups."
+        )
+    return gathered
+
+
+def _check_plans(everyone: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Raise `PlanMismatchError` unless every rank sent the same plan (JSON, in rank order)."""
     digests: dict[str, list[int]] = {}
-    for rank, (plan, _) in enumerate(everyone):
-        digests.setdefault(plan.digest, []).append(rank)
+    for rank, (text, _) in enumerate(everyone):
+        digests.setdefault(_digest(text), []).append(rank)
     if len(digests) == 1:
         return
-    ref = everyone[0][0]
+    ref_text = everyone[0][0]
+    ref = _plan_of(ref_text)
     lines = ["pipeline plans differ across ranks (no group was created):"]
     for digest, ranks in digests.items():
         lines.append(f"  digest {digest[:12]} on ranks {ranks}")
-    for rank, (plan, pp) in enumerate(everyone):
-        if plan.digest != ref.digest:
-            diff = describe_plan_difference(ref, plan, their_rank=rank, my_rank=0)
+    for rank, (text, pp) in enumerate(everyone):
+        if text != ref_text:
+            theirs = _plan_of(text)
+            if ref is None or theirs is None:
+                diff = "its plan is in another format (another cadence version?)"
+            else:
+                diff = describe_plan_difference(ref, theirs, their_rank=rank, my_rank=0)
             lines.append(f"  rank {rank} (pp ranks {list(pp)}): {diff}")
     lines.append(
         "Every rank must build the same schedule (same generator, pp degree, "
         "microbatches, chunks and placement)."
     )
     raise PlanMismatchError("\n".join(lines))
+
+
+def _digest(text: str) -> str:
+    # The plan's own digest is the SHA-256 of its JSON: the same, without rebuilding it.
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _plan_of(text: str) -> ChannelPlan | None:
+    """A peer's plan from its JSON, to describe how it differs (None: unreadable here)."""
+    try:
+        d = json.loads(text)
+        return ChannelPlan(
+            edges=tuple((int(a), int(b)) for a, b in d["edges"]),
+            rounds=tuple(tuple((int(a), int(b)) for a, b in rd) for rd in d["rounds"]),
+            placement=tuple(int(r) for r in d["placement"]),
+            mode=str(d["mode"]),
+            actions=str(d["actions"]),
+            payloads=tuple((int(a), int(b), str(w)) for a, b, w in d["payloads"]),
+        )
+    except (KeyError, TypeError, ValueError):  # ScheduleValidationError is a ValueError
+        return None
 
 
 def _routes(plan: ChannelPlan) -> list[Route]:

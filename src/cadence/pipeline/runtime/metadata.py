@@ -36,7 +36,8 @@ def agree_metadata(
         st.output_meta is not None and (st.is_first or st.input_meta is not None)
         for st in stages.values()
     )
-    if all(pp_comm.all_gather_object(complete)):
+    # A flag in one fixed-size all-reduce: the same bytes per rank at any pp degree.
+    if not pp_comm.agree(flags=(not complete,)).raised[0]:
         return
     mb0 = first_microbatch[0] if first_microbatch else ()
     for s, owner in enumerate(placement):
