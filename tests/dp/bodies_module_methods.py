@@ -18,6 +18,7 @@ from torch import nn
 
 import cadence
 from cadence.testing import max_abs_diff, run_subtests
+from tests._outcome import recorded
 from tests.dp.common import WIDTH, expect_error, global_batch, local, strip
 
 __all__ = ["HONOURED", "REFUSED", "module_methods_body"]
@@ -202,22 +203,14 @@ def _isinstance() -> dict[str, Any]:
     return {"is_ddp": isinstance(dp, DistributedDataParallel)}
 
 
-def _recorded(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, or the exception it raised as text: one failing case fails one test."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
 def module_methods_body() -> dict[str, Any]:
     return {
         "honoured": run_subtests(
             {"method": list(HONOURED), "order": ["before_training", "after_a_step"]},
-            lambda method, order: _recorded(_honoured, method, order == "after_a_step"),
+            lambda method, order: recorded(_honoured, method, order == "after_a_step"),
         ),
         "refused": run_subtests(
-            {"method": list(REFUSED)}, lambda method: _recorded(_refused, method)
+            {"method": list(REFUSED)}, lambda method: recorded(_refused, method)
         ),
-        "isinstance": _recorded(_isinstance),
+        "isinstance": recorded(_isinstance),
     }

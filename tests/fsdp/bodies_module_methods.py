@@ -17,6 +17,7 @@ from torch import nn
 
 from cadence.fsdp import FullyShardedModule, fully_shard
 from cadence.testing import max_abs_diff, run_subtests
+from tests._outcome import recorded
 from tests.dp.common import expect_error
 from tests.fsdp.common import (
     Blocks,
@@ -355,27 +356,19 @@ def _isinstance(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def _recorded(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, or the exception it raised as text: one failing case fails one test."""
-    try:
-        return fn(*args)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
 def module_methods_body() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
     out["meta"] = run_subtests(
         {"init": ["reset_parameters", "init_weights"]},
-        lambda init: _recorded(_meta_init, init, rank, world),
+        lambda init: recorded(_meta_init, init, rank, world),
     )
-    out["meta_misuse"] = _recorded(_meta_misuse, rank, world)
-    out["meta_tied"] = _recorded(_meta_tied, rank, world)
+    out["meta_misuse"] = recorded(_meta_misuse, rank, world)
+    out["meta_tied"] = recorded(_meta_tied, rank, world)
     out["methods"] = run_subtests(
         {"method": list(METHODS), "order": ["before_training", "after_a_step"]},
-        lambda method, order: _recorded(_method_case, method, order),
+        lambda method, order: recorded(_method_case, method, order),
     )
-    out["refused"] = _recorded(_refused, rank, world)
-    out["isinstance"] = _recorded(_isinstance, rank, world)
+    out["refused"] = recorded(_refused, rank, world)
+    out["isinstance"] = recorded(_isinstance, rank, world)
     return out

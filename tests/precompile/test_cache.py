@@ -26,20 +26,6 @@ from tests.precompile._bodies import BACKEND, Boom, inputs, loss_and_grads, step
 pytestmark = pytest.mark.filterwarnings("ignore:Cannot locate reference")
 
 
-@pytest.fixture
-def loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-    real = _torch_aot.deserialize
-
-    def counting(data: bytes) -> Any:
-        calls.append(len(data))
-        return real(data)
-
-    monkeypatch.setattr(_torch_aot, "deserialize", counting)
-    _bodies.FLAG.clear()
-    return calls
-
-
 def _precompile(cache: Path, fn: Callable[..., Any] = step) -> Any:
     model, x, y = inputs()
     with warnings.catch_warnings(record=True) as caught:

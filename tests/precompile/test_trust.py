@@ -24,7 +24,6 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -43,21 +42,6 @@ pytestmark = [
 OPTIONS = {"backend": BACKEND, "dynamic": None, "mode": None, "options": None}
 ATTACKER_KEY = b"k" * 32
 NOBODY = 65534
-
-
-@pytest.fixture
-def loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts calls of torch's loader; clears the flag the planted payload sets."""
-    calls: list[int] = []
-    real = _torch_aot.deserialize
-
-    def counting(data: bytes) -> Any:
-        calls.append(len(data))
-        return real(data)
-
-    monkeypatch.setattr(_torch_aot, "deserialize", counting)
-    _bodies.FLAG.clear()
-    return calls
 
 
 @pytest.fixture
