@@ -5,7 +5,7 @@
   channels and digest (`cadence.pipeline.schedule.show`).
 - ``cadence schedule compare``: cadence's generators against torch pipelining's,
   in cadence's simulator (`cadence.pipeline.schedule.compare`; needs torch).
-- ``cadence bench {dp,fsdp,pp,collectives,pickle,precompile,report}``: cadence against
+- ``cadence bench {dp,fsdp,pp,collectives,pickle,precompile,schedules,report}``: cadence against
   PyTorch's own implementations, side by side (`cadence.bench`).
 
 Building the parser imports no torch; a subcommand imports what it needs when it

@@ -8,7 +8,9 @@
 - ``pickle``: cadence.pickling vs cloudpickle (`cadence.bench.pickler`);
 - ``precompile``: time to the first step on 2 ranks, ``torch.compile`` on every rank
   vs `cadence.precompile` (compile once, broadcast) vs its cache
-  (`cadence.bench.precompile`).
+  (`cadence.bench.precompile`);
+- ``schedules``: building and proving every generator's schedule at 8..128 ranks,
+  against torch's construction of the same schedule (`cadence.bench.schedules`).
 
 Each comparison runs in one process tree, interleaves the implementations, and
 reports median ratios with their spread, an A/A noise figure and the machine load.

@@ -25,10 +25,22 @@ _TITLES = {
     "collectives": "cadence's exchange collectives vs gloo's own",
     "pickle": "cadence.pickling vs cloudpickle",
     "precompile": "precompile vs torch.compile on every rank: time to the first step",
+    "schedules": "Schedules at scale",
 }
 
 # What a kind's ratio does and does not mean, printed above its table.
 _NOTES = {
+    "schedules": (
+        "Building (generate + lower) and proving (`verify`: validation + strict\n"
+        "simulation) every generator's schedule at p ranks and m = 4p microbatches, in\n"
+        "one process, one repetition per size; ratio = cadence's build / torch's\n"
+        "construction + lowering of the same schedule with fake stages (what\n"
+        "`get_schedule_ops(..., with_comms=True)` runs), where torch has one. torch\n"
+        "proves nothing, so the proof is listed beside it (`proof/build`). Absolute\n"
+        "times come from a noisy 2-core machine shared with other jobs: read the ratios\n"
+        "and the fitted log-log slopes (1.0 = linear in actions), listed below the\n"
+        "table. See [pipeline.md](pipeline.md) on what a rank computes at start-up.\n"
+    ),
     "collectives": (
         "One collective per step through `cadence.Comm`: ratio = exchange / gloo's own,\n"
         "A/A = gloo's own / gloo's own again. Sizes are the full tensor. fully_shard's\n"
@@ -82,6 +94,7 @@ cadence bench pp          # five schedules, world 2 and 4
 cadence bench collectives # exchange vs gloo's reduce-scatter, all-gather, all-reduce
 cadence bench pickle      # pickler vs cloudpickle
 cadence bench precompile  # time to the first step on 2 ranks: jit, precompile, cache
+cadence bench schedules   # build and proof of every generator, p = 8..128, vs torch
 cadence bench report      # regenerate this page
 ```
 
@@ -194,6 +207,13 @@ def render(
                 f"| {case} | {row['metric']} | {_cell(row['ratio'])} | {_cell(row.get('aa'))} "
                 f"| {_verdict(row)} | {_extra(row)} |"
             )
+        if record.get("slopes"):
+            out.append("\nFitted slopes of log(time) over log(actions):\n")
+            for name, fits in record["slopes"].items():
+                out.append(
+                    f"- {name}: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in fits.items() if v is not None)
+                )
         chart = Path(record.get("_path", "")).with_suffix(".png")
         if page_dir is not None and chart.name and chart.exists():
             rel = os.path.relpath(chart.resolve(), page_dir.resolve())

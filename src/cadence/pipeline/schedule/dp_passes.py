@@ -108,9 +108,10 @@ def add_unshard_reshard(sched: Schedule, *, lookahead: int = 1) -> Schedule:
             for c in acts[i].compute_parts():
                 first.setdefault(c.stage, i)
                 last[c.stage] = i
+        rank_of_compute = {i: k for k, i in enumerate(computes)}  # index -> k-th compute
         before: dict[int, list[int]] = {}  # action index -> stages to unshard before it
         for s, i in first.items():
-            k = computes.index(i)
+            k = rank_of_compute[i]
             before.setdefault(computes[max(0, k - lookahead)], []).append(s)
         after: dict[int, list[int]] = {}
         for s, i in last.items():

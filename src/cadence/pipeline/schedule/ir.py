@@ -80,6 +80,15 @@ class ActionKind(Enum):
     WAIT_REDUCE_GRAD = "WAIT_REDUCE_GRAD"  # wait for it
     BARRIER = "BARRIER"
 
+    # [Note: enum members hash by identity]
+    # Enum's own __hash__ is a Python function (hash of the member name), and the
+    # passes, the validator and the simulator look kinds and payloads up in sets
+    # and dict keys several times per action: at 10^5 actions that was the largest
+    # single cost of a proof. Members are singletons compared by identity, so the
+    # identity hash agrees with their equality; it is no less stable than the name
+    # hash, which Python salts per process.
+    __hash__ = object.__hash__
+
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 _TRANSFER = frozenset({ActionKind.SEND, ActionKind.RECV, ActionKind.LOCAL, ActionKind.WAIT_SEND})
@@ -93,6 +102,8 @@ class Payload(Enum):
 
     ACT = "F"
     GRAD = "B"
+
+    __hash__ = object.__hash__  # see [Note: enum members hash by identity]
 
 
 @dataclass(frozen=True)
@@ -144,6 +155,19 @@ class Action:
         if self.kind is ActionKind.RECV:
             return self.stage - 1 if forward else self.stage + 1
         return self.stage + 1 if forward else self.stage - 1
+
+    def linked(self, channel: tuple[int, int] | None, seq: int | None) -> Action:
+        """This action with ``channel`` and ``seq`` set: ``replace(a, channel=..., seq=...)``.
+
+        Lowering renumbers every transfer of a schedule, and `dataclasses.replace`
+        re-runs ``__init__`` and the checks of ``__post_init__`` for each one;
+        neither field takes part in those checks, so the copy skips them.
+        """
+        if channel == self.channel and seq == self.seq:
+            return self  # frozen: an equal copy would only cost memory
+        new = object.__new__(Action)
+        new.__dict__.update(self.__dict__, channel=channel, seq=seq)
+        return new
 
     def compute_parts(self) -> tuple[Action, ...]:
         """The compute actions this one stands for (itself, or FB_OVERLAP's subs)."""

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter
-from dataclasses import replace
 
 from cadence.pipeline.schedule.dp_passes import (
     add_reduce_grad,
@@ -233,7 +232,7 @@ def complete_comms(sched: Schedule) -> Schedule:
             if a.kind is K.SEND:
                 ch = (r, place[a.peer_stage])  # type: ignore[index]
                 numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)] = (ch, seq[ch])
-                a = replace(a, channel=ch, seq=seq[ch])
+                a = a.linked(ch, seq[ch])
                 seq[ch] += 1
             row.append(a)
             if a.kind is K.REDUCE_GRAD and blocking_reduce:
@@ -249,7 +248,7 @@ def complete_comms(sched: Schedule) -> Schedule:
                 key = (a.peer_stage, a.stage, a.payload, a.mb, a.slot)
                 ch, sq = numbered.get(key, ((place[a.peer_stage], r), None))  # type: ignore[index]
                 # A RECV with no SEND keeps seq None; validate_lowered names it.
-                row[i] = replace(a, channel=ch, seq=sq)
+                row[i] = a.linked(ch, sq)
     return sched.with_ranks(rows, lowered=True)
 
 
@@ -334,9 +333,9 @@ def _renumber(sched: Schedule) -> Schedule:
                 seq[a.channel] += 1  # type: ignore[index]
     rows = [
         [
-            replace(a, seq=numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)])
+            a.linked(a.channel, numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)])
             if a.kind is K.SEND
-            else replace(a, seq=numbered[(a.peer_stage, a.stage, a.payload, a.mb, a.slot)])
+            else a.linked(a.channel, numbered[(a.peer_stage, a.stage, a.payload, a.mb, a.slot)])
             if a.kind is K.RECV
             else a
             for a in acts

@@ -45,9 +45,9 @@ simulator, so it lives here and the passes import it (passes -> sim, one way).
 from __future__ import annotations
 
 import math
+from heapq import heappop, heappush
 from typing import Any, Literal
 
-from cadence.errors import CadenceError
 from cadence.pipeline.schedule.ir import (
     Action,
     ActionKind,
@@ -55,7 +55,14 @@ from cadence.pipeline.schedule.ir import (
     Schedule,
     ScheduleValidationError,
 )
-from cadence.pipeline.schedule.sim_model import MemoryModel, SimResult, TimeModel
+from cadence.pipeline.schedule.sim_model import (
+    FifoMismatchError,
+    MemoryModel,
+    ScheduleDeadlockError,
+    SimResult,
+    TimeModel,
+    _Op,
+)
 from cadence.pipeline.schedule.validate import inputs_of, outputs_of, validate_lowered
 
 __all__ = [
@@ -73,45 +80,6 @@ __all__ = [
 K = ActionKind
 ChannelMode = Literal["shared", "per_direction", "per_directed_edge"]
 _MODES = ("shared", "per_direction", "per_directed_edge")
-
-
-class FifoMismatchError(ScheduleValidationError):
-    """The i-th SEND and the i-th RECV on a channel carry different things."""
-
-
-class ScheduleDeadlockError(CadenceError, RuntimeError):
-    """No rank can progress. ``cycle``: [(rank, action text, channel, seq, waits_on_rank)];
-    ``blocked``: rank -> (index, action text, reason)."""
-
-    def __init__(self, message: str, cycle: list[tuple], blocked: dict[int, tuple]) -> None:
-        super().__init__(message)
-        self.cycle = cycle
-        self.blocked = blocked
-
-
-class _Op:
-    __slots__ = ("action", "channel", "done", "group", "index", "match", "pos", "post", "rank")
-
-    def __init__(
-        self,
-        rank: int,
-        index: int,
-        action: Action,
-        channel: tuple[int, int],
-        group: Any,
-        post: float,
-    ) -> None:
-        self.rank, self.index, self.action, self.channel, self.group = (
-            rank,
-            index,
-            action,
-            channel,
-            group,
-        )
-        self.post = post
-        self.match: float | None = None
-        self.done: float | None = None
-        self.pos = -1
 
 
 def _label(src: int, dst: int, payload: Payload, mb: int) -> str:
@@ -168,6 +136,19 @@ class _Sim:
         self.peak_mem = [0.0] * self.p
         self.reducing = [0] * self.p
         self.peak_red = [0] * self.p
+        # See [Note: matching only what changed].
+        self.rank_sends: list[list[_Op]] = [[] for _ in range(self.p)]
+        self.buffered = [0] * self.p  # eager sends completed but not yet matched
+        self.chan_index: dict[tuple[int, int], int] = {}  # in ``self.sends`` order
+        self.chan_list: list[tuple[int, int]] = []
+        self.dirty: set[int] = set()  # channels the next `_match` visits
+        self.pass_heap: list[int] = []  # channels still to visit in this `_match`
+        self.cursor: int | None = None  # the channel `_match` is on, None outside it
+        self.scan_all = serialize and send == "eager"
+        self.unit_cost: dict[ActionKind, float] | None = None
+        if type(time).duration is TimeModel.duration:
+            b = time.b if time.b is not None else time.i + time.w
+            self.unit_cost = {K.F: time.f, K.I: time.i, K.W: time.w, K.B: b}
 
     def _group(self, a: Action, ch: tuple[int, int]) -> Any:
         if self.mode == "shared":
@@ -199,39 +180,97 @@ class _Sim:
         return free if head < len(queue) and queue[head] is op else None
 
     def _match(self) -> bool:
+        """Match every pair that can be matched, channel by channel in first-SEND order.
+
+        [Note: matching only what changed]
+        A channel's next pair can become matchable only when one of its ops is
+        posted or, with serialisation, when an op ahead of one of them on its
+        communicator completes. So instead of scanning every channel after every
+        step (O(channels) per action, which made the proof of a p-rank schedule
+        grow as p times its actions), the simulator marks the channels such an
+        event touches and visits only those, in the same channel order as a full
+        scan and within the same call whenever the full scan would have reached
+        them in that call (a mark on a channel further along is visited now, one
+        on a channel already passed waits for the next call). Every pair is
+        therefore matched at the same point of the run, with the same times, the
+        same flows in the same order and the same first error. Eager sends under
+        serialisation keep the full scan: there the queue cursor that
+        `_head_ok` advances may step past a buffered, still unmatched send, so
+        the moment each channel is looked at is part of the outcome.
+        """
         progress = False
-        for ch, sends in self.sends.items():
-            recvs = self.recvs.get(ch, [])
-            i = self.matched.get(ch, 0)
-            while i < len(sends) and i < len(recvs):
-                s, r = sends[i], recvs[i]
-                hs, hr = self._head_ok(s), self._head_ok(r)
-                if hs is None or hr is None:
-                    break
-                ks, kr = self._key(s.action), self._key(r.action)
-                if (ks, s.action.slot) != (kr, r.action.slot):
+        if self.scan_all:
+            self.pass_heap = list(range(len(self.chan_list)))
+        else:
+            self.pass_heap = sorted(self.dirty)
+            self.dirty = set()
+        heap = self.pass_heap
+        last = -1
+        while heap:
+            idx = heappop(heap)
+            if idx == last:
+                continue
+            last = self.cursor = idx
+            progress |= self._match_channel(self.chan_list[idx])
+        self.cursor = None
+        return progress
+
+    def _mark(self, ch: tuple[int, int]) -> None:
+        """Have `_match` look at ``ch`` again; see [Note: matching only what changed]."""
+        idx = self.chan_index.get(ch)
+        if idx is None:  # no SEND on it yet: nothing to match
+            return
+        if self.cursor is not None and idx > self.cursor:
+            heappush(self.pass_heap, idx)
+        else:
+            self.dirty.add(idx)
+
+    def _mark_behind(self, op: _Op) -> None:
+        """With serialisation, an op that completes may put the next op of its
+        communicator at the head of the queue."""
+        queue = self.queues[(op.rank, op.group)]
+        if op.qpos + 1 < len(queue):
+            self._mark(queue[op.qpos + 1].channel)
+
+    def _match_channel(self, ch: tuple[int, int]) -> bool:
+        progress = False
+        sends = self.sends[ch]
+        recvs = self.recvs.get(ch, [])
+        i = self.matched.get(ch, 0)
+        while i < len(sends) and i < len(recvs):
+            s, r = sends[i], recvs[i]
+            hs, hr = self._head_ok(s), self._head_ok(r)
+            if hs is None or hr is None:
+                break
+            ks, kr = self._key(s.action), self._key(r.action)
+            if (ks, s.action.slot) != (kr, r.action.slot):
+                raise FifoMismatchError(
+                    f"FIFO mismatch on channel ({ch[0]}->{ch[1]}), seq {i}: expected "
+                    f"{_label(*kr)} got {_label(*ks)} (rank {ch[1]} posted its receives in "
+                    f"a different order than rank {ch[0]} sent; post RECVs in send order)"
+                )
+            for op in (s, r):
+                if op.action.seq is not None and op.action.seq != i:
                     raise FifoMismatchError(
-                        f"FIFO mismatch on channel ({ch[0]}->{ch[1]}), seq {i}: expected "
-                        f"{_label(*kr)} got {_label(*ks)} (rank {ch[1]} posted its receives in "
-                        f"a different order than rank {ch[0]} sent; post RECVs in send order)"
+                        f"rank {op.rank}, action {op.index} ({op.action}): sequence number "
+                        f"{op.action.seq} but it is op {i} on channel ({ch[0]}->{ch[1]}); "
+                        "re-run lowering instead of editing seq by hand"
                     )
-                for op in (s, r):
-                    if op.action.seq is not None and op.action.seq != i:
-                        raise FifoMismatchError(
-                            f"rank {op.rank}, action {op.index} ({op.action}): sequence number "
-                            f"{op.action.seq} but it is op {i} on channel ({ch[0]}->{ch[1]}); "
-                            "re-run lowering instead of editing seq by hand"
-                        )
-                t = max(s.post, r.post, hs, hr)
-                done = t + self.tm.comm()
-                s.match = r.match = t
-                if s.done is None:  # an eager send completed when it was buffered
-                    s.done = t
-                r.done = done
-                self.flows.append((ch[0], ch[1], t, done, str(s.action)))
-                i += 1
-                progress = True
-            self.matched[ch] = i
+            t = max(s.post, r.post, hs, hr)
+            done = t + self.tm.comm()
+            s.match = r.match = t
+            if s.done is None:
+                s.done = t
+            else:  # an eager send completed when it was buffered
+                self.buffered[s.rank] -= 1
+            r.done = done
+            if self.serialize and not self.scan_all:
+                self._mark_behind(s)
+                self._mark_behind(r)
+            self.flows.append((ch[0], ch[1], t, done, str(s.action)))
+            i += 1
+            progress = True
+        self.matched[ch] = i
         return progress
 
     # -- stepping ---------------------------------------------------------------
@@ -243,7 +282,13 @@ class _Sim:
         op = _Op(r, i, a, ch, self._group(a, ch), self.t[r])
         op.pos = len(table.setdefault(ch, []))
         table[ch].append(op)
-        self.queues.setdefault((r, op.group), []).append(op)
+        if table is self.sends and ch not in self.chan_index:
+            self.chan_index[ch] = len(self.chan_list)
+            self.chan_list.append(ch)
+        queue = self.queues.setdefault((r, op.group), [])
+        op.qpos = len(queue)
+        queue.append(op)
+        self._mark(ch)
         return op
 
     def _step(self, r: int) -> bool:
@@ -254,12 +299,10 @@ class _Sim:
         if a.kind is K.SEND:
             op = self._post(r, i, a, self.sends)
             self.sent_by[(self._key(a), a.slot)] = op
-            if self.send == "eager":
-                buffered = sum(
-                    1 for o in self._rank_sends(r) if o.match is None and o.done is not None
-                )
-                if buffered < self.eager:
-                    op.done = op.post
+            self.rank_sends[r].append(op)
+            if self.send == "eager" and self.buffered[r] < self.eager:
+                op.done = op.post
+                self.buffered[r] += 1
             self.pc[r] += 1
             return True
         if a.kind is K.RECV:
@@ -279,7 +322,7 @@ class _Sim:
             self.pc[r] += 1
             return True
         if a.kind is K.BARRIER:
-            sent = self._rank_sends(r)
+            sent = self.rank_sends[r]  # any order: only "all done" and the latest matter
             if any(o.done is None for o in sent):
                 return False
             self.t[r] = max([self.t[r], *(o.done for o in sent if o.done is not None)])
@@ -301,7 +344,7 @@ class _Sim:
                 if op is None or op.done is None:
                     return False
                 start = max(start, op.done)
-            dur = self.tm.duration(a, self.v)
+            dur = self._duration(a)
             end = start + dur
             self.t[r] = end
             self.busy[r] += dur
@@ -333,12 +376,21 @@ class _Sim:
         self.pc[r] += 1
         return True
 
+    def _duration(self, a: Action) -> float:
+        cost = self.unit_cost
+        if cost is None:  # a TimeModel subclass with its own durations
+            return self.tm.duration(a, self.v)
+        # TimeModel.duration without rebuilding its table per action; same sum, same float.
+        total = sum(cost[c.kind] for c in a.compute_parts())
+        return total / self.v if self.tm.scale_by_chunks else total
+
     def _account(self, r: int) -> None:
         mem = self.live[r] * self.mem.activation + len(self.resident[r]) * self.mem.parameters
         self.peak_mem[r] = max(self.peak_mem[r], mem)
 
     def _rank_sends(self, r: int) -> list[_Op]:
-        return [o for ops in self.sends.values() for o in ops if o.rank == r]
+        """Rank r's sends in channel order, then post order (the order reports name them)."""
+        return sorted(self.rank_sends[r], key=lambda o: (self.chan_index[o.channel], o.pos))
 
     def run(self) -> None:
         while True:

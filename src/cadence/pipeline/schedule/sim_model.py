@@ -1,4 +1,5 @@
-"""What the simulator is told and what it reports: `TimeModel`, `MemoryModel`, `SimResult`.
+"""What the simulator is told and what it reports: `TimeModel`, `MemoryModel`,
+`SimResult`, the errors it raises, and its record of one posted transfer.
 
 Plain values, kept apart from the event loop in ``sim.py`` (which re-exports them);
 see [Note: simulator semantics] there for how they are used.
@@ -8,10 +9,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
+from cadence.errors import CadenceError
 from cadence.pipeline.schedule.ir import Action, ActionKind, ScheduleValidationError
 
-__all__ = ["MemoryModel", "SimResult", "TimeModel"]
+__all__ = [
+    "FifoMismatchError",
+    "MemoryModel",
+    "ScheduleDeadlockError",
+    "SimResult",
+    "TimeModel",
+]
 
 K = ActionKind
 
@@ -98,3 +107,54 @@ class SimResult:
                 f"peak in-flight activations {pk}{mem}"
             )
         return "\n".join(lines)
+
+
+class FifoMismatchError(ScheduleValidationError):
+    """The i-th SEND and the i-th RECV on a channel carry different things."""
+
+
+class ScheduleDeadlockError(CadenceError, RuntimeError):
+    """No rank can progress. ``cycle``: [(rank, action text, channel, seq, waits_on_rank)];
+    ``blocked``: rank -> (index, action text, reason)."""
+
+    def __init__(self, message: str, cycle: list[tuple], blocked: dict[int, tuple]) -> None:
+        super().__init__(message)
+        self.cycle = cycle
+        self.blocked = blocked
+
+
+class _Op:
+    __slots__ = (
+        "action",
+        "channel",
+        "done",
+        "group",
+        "index",
+        "match",
+        "pos",
+        "post",
+        "qpos",
+        "rank",
+    )
+
+    def __init__(
+        self,
+        rank: int,
+        index: int,
+        action: Action,
+        channel: tuple[int, int],
+        group: Any,
+        post: float,
+    ) -> None:
+        self.rank, self.index, self.action, self.channel, self.group = (
+            rank,
+            index,
+            action,
+            channel,
+            group,
+        )
+        self.post = post
+        self.match: float | None = None
+        self.done: float | None = None
+        self.pos = -1
+        self.qpos = -1  # index in its communicator queue

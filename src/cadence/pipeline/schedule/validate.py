@@ -54,6 +54,12 @@ def _err(msg: str) -> ScheduleValidationError:
     return ScheduleValidationError(msg)
 
 
+def _where(r: int, i: int, a: Action) -> str:
+    # Formatted only when a rule fails: the checks run on every action of every
+    # rank, and formatting each one would cost more than checking it.
+    return f"rank {r}, action {i} ({a})"
+
+
 # -- dataflow of compute actions -------------------------------------------------
 
 
@@ -96,30 +102,29 @@ def validate_compute(sched: Schedule, m: int | None = None) -> None:
         for i, a in enumerate(acts):
             for c in a.compute_parts():
                 assert c.mb is not None
-                where = f"rank {r}, action {i} ({c})"
                 if sched.placement[c.stage] != r:
                     raise _err(
-                        f"{where}: stage {c.stage} is placed on rank {sched.placement[c.stage]} "
+                        f"{_where(r, i, c)}: stage {c.stage} is placed on rank {sched.placement[c.stage]} "
                         f"but computes on rank {r}; a stage must live on exactly one rank"
                     )
                 if c.mb >= m:
-                    raise _err(f"{where}: microbatch {c.mb} is out of range 0..{m - 1}")
+                    raise _err(f"{_where(r, i, c)}: microbatch {c.mb} is out of range 0..{m - 1}")
                 key = (c.kind, c.stage, c.mb)
                 if key in seen:
-                    raise _err(f"{where}: {c} runs twice")
+                    raise _err(f"{_where(r, i, c)}: {c} runs twice")
                 if c.kind in (K.B, K.I) and (K.F, c.stage, c.mb) not in seen:
                     what = "Full backward" if c.kind is K.B else "Input backward"
                     raise _err(
-                        f"{where}: {what} of stage {c.stage}, microbatch {c.mb} without first "
+                        f"{_where(r, i, c)}: {what} of stage {c.stage}, microbatch {c.mb} without first "
                         f"running its forward (B before F)"
                     )
                 if c.kind is K.W and (K.I, c.stage, c.mb) not in seen:
                     raise _err(
-                        f"{where}: weight backward of stage {c.stage}, microbatch {c.mb} before "
+                        f"{_where(r, i, c)}: weight backward of stage {c.stage}, microbatch {c.mb} before "
                         f"its input backward (W before I)"
                     )
                 if c.kind is K.I and (K.B, c.stage, c.mb) in seen:
-                    raise _err(f"{where}: microbatch has both a full B and an I/W split")
+                    raise _err(f"{_where(r, i, c)}: microbatch has both a full B and an I/W split")
                 seen.add(key)
                 counts[key] += 1
     for s in range(n):
@@ -153,50 +158,51 @@ def validate_lowered(sched: Schedule) -> None:
         have: set[tuple] = set()  # inputs provided by an earlier RECV/LOCAL
         produced: set[tuple] = set()
         for i, a in enumerate(acts):
-            where = f"rank {r}, action {i} ({a})"
             if a.kind in _COMM:
                 peer = a.peer_stage
                 if peer is None or not 0 <= peer < n:
-                    raise _err(f"{where}: peer stage {peer} is not a stage of this schedule")
+                    raise _err(
+                        f"{_where(r, i, a)}: peer stage {peer} is not a stage of this schedule"
+                    )
                 src, dst = (peer, a.stage) if a.kind is K.RECV else (a.stage, peer)
                 key = (src, dst, a.payload, a.mb, a.slot)
                 same = sched.placement[src] == sched.placement[dst]
                 route = (sched.placement[src], sched.placement[dst])
                 if a.channel is not None and a.channel != route:
                     raise _err(
-                        f"{where}: channel {a.channel} but stage {src} -> {dst} is rank "
+                        f"{_where(r, i, a)}: channel {a.channel} but stage {src} -> {dst} is rank "
                         f"{route[0]} -> {route[1]}; a channel is (src rank, dst rank)"
                     )
                 if a.kind is K.LOCAL:
                     if not same:
                         raise _err(
-                            f"{where}: LOCAL between stages on ranks {sched.placement[src]} and {sched.placement[dst]}; use SEND/RECV"
+                            f"{_where(r, i, a)}: LOCAL between stages on ranks {sched.placement[src]} and {sched.placement[dst]}; use SEND/RECV"
                         )
                     if key[:4] not in produced:
-                        raise _err(f"{where}: LOCAL before its producer ran on this rank")
+                        raise _err(f"{_where(r, i, a)}: LOCAL before its producer ran on this rank")
                     have.add(key)
                 elif same:
                     raise _err(
-                        f"{where}: {a.kind.name} between stages {src} and {dst} on the same rank; use LOCAL"
+                        f"{_where(r, i, a)}: {a.kind.name} between stages {src} and {dst} on the same rank; use LOCAL"
                     )
                 elif a.kind is K.SEND:
                     if key[:4] not in produced:
                         raise _err(
-                            f"{where}: SEND before its producer ({src}{'F' if a.payload is Payload.ACT else 'B/I'}{a.mb}) ran"
+                            f"{_where(r, i, a)}: SEND before its producer ({src}{'F' if a.payload is Payload.ACT else 'B/I'}{a.mb}) ran"
                         )
                     if key in sends:
-                        raise _err(f"{where}: duplicate SEND")
+                        raise _err(f"{_where(r, i, a)}: duplicate SEND")
                     sends[key] = (r, i, a)
                 elif a.kind is K.RECV:
                     if key in recvs:
-                        raise _err(f"{where}: duplicate RECV")
+                        raise _err(f"{_where(r, i, a)}: duplicate RECV")
                     recvs[key] = (r, i, a)
                     have.add(key)
             elif a.is_compute:
                 for key in inputs_of(a, n):
                     if (*key, 0) not in have:
                         raise _err(
-                            f"{where}: consumes the {key[2].name.lower()} of stage {key[0]}, "
+                            f"{_where(r, i, a)}: consumes the {key[2].name.lower()} of stage {key[0]}, "
                             f"microbatch {key[3]}, but no earlier RECV or LOCAL on rank {r} provides it"
                         )
                     have.discard((*key, 0))
@@ -233,32 +239,31 @@ def validate_reductions(sched: Schedule) -> None:
         for i, a in enumerate(acts):
             if a.kind not in (K.REDUCE_GRAD, K.WAIT_REDUCE_GRAD):
                 continue
-            where = f"rank {r}, action {i} ({a})"
             if sched.placement[a.stage] != r:
                 raise _err(
-                    f"{where}: stage {a.stage} lives on rank {sched.placement[a.stage]}; "
+                    f"{_where(r, i, a)}: stage {a.stage} lives on rank {sched.placement[a.stage]}; "
                     "a stage's reduction runs on its own rank"
                 )
             if a.kind is K.REDUCE_GRAD:
                 if a.stage in issued:
                     raise _err(
-                        f"{where}: duplicate REDUCE_GRAD for stage {a.stage} (first at action "
+                        f"{_where(r, i, a)}: duplicate REDUCE_GRAD for stage {a.stage} (first at action "
                         f"{issued[a.stage]}); a stage's gradients are reduced once per step"
                     )
                 if i < last_grad.get(a.stage, -1):
                     raise _err(
-                        f"{where}: REDUCE_GRAD for stage {a.stage} before its last backward "
+                        f"{_where(r, i, a)}: REDUCE_GRAD for stage {a.stage} before its last backward "
                         f"(action {last_grad[a.stage]}); its gradients are not final yet"
                     )
                 issued[a.stage] = i
             else:
                 if a.stage not in issued:
                     raise _err(
-                        f"{where}: WAIT_REDUCE_GRAD for stage {a.stage} before its REDUCE_GRAD"
+                        f"{_where(r, i, a)}: WAIT_REDUCE_GRAD for stage {a.stage} before its REDUCE_GRAD"
                     )
                 if a.stage in waited:
                     raise _err(
-                        f"{where}: duplicate WAIT_REDUCE_GRAD for stage {a.stage} (first at "
+                        f"{_where(r, i, a)}: duplicate WAIT_REDUCE_GRAD for stage {a.stage} (first at "
                         f"action {waited[a.stage]})"
                     )
                 waited[a.stage] = i
@@ -288,20 +293,19 @@ def validate_residency(sched: Schedule) -> None:
     for r, acts in enumerate(sched.ranks):
         seen: dict[tuple[K, int], int] = {}
         for i, a in enumerate(acts):
-            where = f"rank {r}, action {i} ({a})"
             if a.kind in kinds:
                 if sched.placement[a.stage] != r:
                     raise _err(
-                        f"{where}: stage {a.stage} lives on rank {sched.placement[a.stage]}; "
+                        f"{_where(r, i, a)}: stage {a.stage} lives on rank {sched.placement[a.stage]}; "
                         "its parameters are gathered and freed there"
                     )
                 if (a.kind, a.stage) in seen:
                     raise _err(
-                        f"{where}: duplicate {a.kind.name} for stage {a.stage} (first at action "
+                        f"{_where(r, i, a)}: duplicate {a.kind.name} for stage {a.stage} (first at action "
                         f"{seen[(a.kind, a.stage)]}); one gather and one free per step"
                     )
                 if a.kind is K.RESHARD and (K.UNSHARD, a.stage) not in seen:
-                    raise _err(f"{where}: RESHARD of stage {a.stage} before its UNSHARD")
+                    raise _err(f"{_where(r, i, a)}: RESHARD of stage {a.stage} before its UNSHARD")
                 seen[(a.kind, a.stage)] = i
             for c in a.compute_parts():
                 if (K.UNSHARD, c.stage) not in seen:
