@@ -159,3 +159,20 @@ def test_split_backward_part_is_validated():
         check_split_part("both", None, ValueError)
     with pytest.raises(ValueError, match="not nested"):
         check_split_part("weight", "input", ValueError)
+
+
+class _DrawsRandomNumbers(nn.Module):
+    """Dropout the functional way (``training`` defaults to True, even in eval) and noise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5) + torch.rand_like(x)
+
+
+def test_shape_inference_leaves_the_random_generators_as_it_found_them():
+    # See [Note: shape inference draws no random numbers]: every later step must draw
+    # the masks the same model draws under torch's pipelining, which infers on meta.
+    stage = PipelineStage(_DrawsRandomNumbers(), 1, 2)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    assert stage.infer_output_meta((torch.zeros(4, 8),)) == (TensorMeta((4, 8), torch.float32),)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -147,8 +147,20 @@ class PipelineStage:
     # -- metadata ---------------------------------------------------------------
 
     def infer_output_meta(self, inputs: Sequence[torch.Tensor]) -> Metas:
-        """Run the module once without grad on ``inputs`` and record its output metadata."""
-        with torch.no_grad():
+        """Run the module once without grad on ``inputs`` and record its output metadata.
+
+        [Note: shape inference draws no random numbers]
+        The run happens before the first step, on the rank's own generators. A module
+        that draws random numbers in its forward (``F.dropout(x, p)``, whose
+        ``training`` defaults to True even in eval mode; noise layers; ``torch.rand``)
+        would advance them, and every step after would see other masks than the same
+        model under torch's pipelining, whose inference runs on meta tensors and draws
+        nothing. So the generators of the stage's device (and the CPU's) are forked
+        around the run and come back as they were.
+        """
+        devices = [self.device] if self.device.type != "cpu" else []
+        device_type = self.device.type if self.device.type != "cpu" else "cuda"
+        with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=device_type):
             out = _as_tuple(self.module(*inputs))
         self.output_meta = tuple(TensorMeta.of(t) for t in out)
         return self.output_meta
