@@ -31,7 +31,7 @@ TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def r() -> dict[str, Any]:
+def rank0() -> dict[str, Any]:
     return run_distributed(module_methods_body, world_size=2, timeout=240)[0]
 
 
@@ -44,9 +44,9 @@ def _case(entry: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("order", ["before_training", "after_a_step"])
 @pytest.mark.parametrize("method", list(HONOURED))
 def test_method_keeping_dtype_and_device_is_honoured(
-    r: dict[str, Any], method: str, order: str
+    rank0: dict[str, Any], method: str, order: str
 ) -> None:
-    case = _case(r["honoured"][f"method={method!r},order={order!r}"])
+    case = _case(rank0["honoured"][f"method={method!r},order={order!r}"])
     assert case["losses"][0] != case["losses"][-1], case
     assert case["vs_single"] <= TOL, case
     assert case["spread"] == 0.0, case  # parameters and buffers equal on every rank
@@ -54,9 +54,9 @@ def test_method_keeping_dtype_and_device_is_honoured(
 
 @pytest.mark.parametrize("method", [m for m, (_, where, _) in REFUSED.items() if where == "call"])
 def test_method_changing_what_buckets_hold_is_refused_before_anything_changes(
-    r: dict[str, Any], method: str
+    rank0: dict[str, Any], method: str
 ) -> None:
-    case = _case(r["refused"][f"method={method!r}"])
+    case = _case(rank0["refused"][f"method={method!r}"])
     assert case["message"] == "ok", case["message"]
     assert case["unchanged"], case
     assert case["spread_after"] == 0.0, case
@@ -64,11 +64,11 @@ def test_method_changing_what_buckets_hold_is_refused_before_anything_changes(
 
 @pytest.mark.parametrize("method", [m for m, (_, where, _) in REFUSED.items() if where == "step"])
 def test_change_behind_the_wrappers_back_is_refused_by_the_next_step(
-    r: dict[str, Any], method: str
+    rank0: dict[str, Any], method: str
 ) -> None:
-    case = _case(r["refused"][f"method={method!r}"])
+    case = _case(rank0["refused"][f"method={method!r}"])
     assert case["message"] == "ok", case["message"]
 
 
-def test_not_a_torch_ddp_instance(r: dict[str, Any]) -> None:
-    assert _case(r["isinstance"])["is_ddp"] is False
+def test_not_a_torch_ddp_instance(rank0: dict[str, Any]) -> None:
+    assert _case(rank0["isinstance"])["is_ddp"] is False

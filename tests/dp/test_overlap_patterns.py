@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.dp import bodies_overlap as B
+from tests.dp import bodies_overlap
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_a_matches_single_process_reference(results: list[dict[str, Any]]) -> No
 def test_b_finalize_and_step_run_inside_backward(results: list[dict[str, Any]]) -> None:
     for r in results:
         records = r["b"]["records"]
-        assert len(records) == B.STEPS
+        assert len(records) == bodies_overlap.STEPS
         assert all(rec["in_backward"] and rec["stepped"] for rec in records)
         # Last step's marks: the dense step happened before backward returned.
         assert r["b"]["mark_order"] == ["dense_step_in_backward", "backward_end"]

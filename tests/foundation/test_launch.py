@@ -10,12 +10,12 @@ import pytest
 
 import cadence
 from cadence.testing import run_distributed
-from tests.foundation import bodies_launch as B
+from tests.foundation import bodies_launch
 
 
 @pytest.fixture(scope="module")
 def env3() -> list[dict[str, Any]]:
-    return run_distributed(B.env_and_threads, world_size=3)
+    return run_distributed(bodies_launch.env_and_threads, world_size=3)
 
 
 def test_results_and_environment(env3: list[dict[str, Any]]) -> None:
@@ -28,7 +28,7 @@ def test_results_and_environment(env3: list[dict[str, Any]]) -> None:
 
 def test_a_raising_rank_stops_all_and_names_itself() -> None:
     with pytest.raises(cadence.LaunchError) as info:
-        run_distributed(B.raise_on_rank1, world_size=2, timeout=120)
+        run_distributed(bodies_launch.raise_on_rank1, world_size=2, timeout=120)
     err = info.value
     assert isinstance(err, cadence.CadenceError)
     assert err.rank == 1
@@ -42,7 +42,7 @@ def test_a_raising_rank_stops_all_and_names_itself() -> None:
 
 def test_a_dying_rank_stops_all() -> None:
     with pytest.raises(cadence.LaunchError) as info:
-        run_distributed(B.exit_on_rank1, world_size=2, timeout=60)
+        run_distributed(bodies_launch.exit_on_rank1, world_size=2, timeout=60)
     assert info.value.rank == 1
     assert info.value.failure.exit_code == 3
     assert "exited with code 3" in str(info.value)
@@ -50,7 +50,9 @@ def test_a_dying_rank_stops_all() -> None:
 
 def test_a_hanging_rank_times_out_and_no_process_is_left(tmp_path: Path) -> None:
     with pytest.raises(cadence.LaunchError) as info:
-        run_distributed(B.write_pid_then_hang, str(tmp_path / "pid"), world_size=2, timeout=8)
+        run_distributed(
+            bodies_launch.write_pid_then_hang, str(tmp_path / "pid"), world_size=2, timeout=8
+        )
     failures = [info.value.failure, *info.value.others]
     assert [f.reason for f in failures] == ["timeout", "timeout"]
     assert "did not finish within the timeout" in str(info.value)
@@ -69,14 +71,14 @@ def test_a_hanging_rank_times_out_and_no_process_is_left(tmp_path: Path) -> None
 
 def test_collective_hang_is_reported_with_the_hung_ranks() -> None:
     with pytest.raises(cadence.LaunchError) as info:
-        run_distributed(B.hang_forever, world_size=2, timeout=8)
+        run_distributed(bodies_launch.hang_forever, world_size=2, timeout=8)
     ranks = {info.value.rank, *(o.rank for o in info.value.others)}
     assert ranks == {0, 1}
 
 
 def test_launch_accepts_bad_nprocs_early() -> None:
     with pytest.raises(ValueError, match="nprocs"):
-        cadence.launch(B.env_and_threads, nprocs=0)
+        cadence.launch(bodies_launch.env_and_threads, nprocs=0)
 
 
 def test_init_reuses_existing_group(env3: list[dict[str, Any]]) -> None:

@@ -35,7 +35,7 @@ ddp_lacks_finalize = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def r() -> dict[str, Any]:
+def rank0() -> dict[str, Any]:
     return run_distributed(torch_timing_body, world_size=2, timeout=180)[0]
 
 
@@ -55,17 +55,17 @@ def _pending_handle_holds_everything_back(p: dict[str, Any]) -> None:
     _refused(p["finalize_again"], "before the previous handle was waited")
 
 
-def test_adapters_detect_torch_finalization(r: dict[str, Any]) -> None:
-    assert r["fsdp2"]["flags"]["is_timing"]
-    assert r["fsdp2"]["flags"]["native"] is TORCH_FSDP2_FINALIZES
-    assert r["ddp"]["native"] is TORCH_DDP_FINALIZES
+def test_adapters_detect_torch_finalization(rank0: dict[str, Any]) -> None:
+    assert rank0["fsdp2"]["flags"]["is_timing"]
+    assert rank0["fsdp2"]["flags"]["native"] is TORCH_FSDP2_FINALIZES
+    assert rank0["ddp"]["native"] is TORCH_DDP_FINALIZES
 
 
 # -- FSDP2 ---------------------------------------------------------------------
 
 
-def test_fsdp2_sync_flag_set_after_forward_governs_that_backward(r: dict[str, Any]) -> None:
-    f = r["fsdp2"]["flags"]
+def test_fsdp2_sync_flag_set_after_forward_governs_that_backward(rank0: dict[str, Any]) -> None:
+    f = rank0["fsdp2"]["flags"]
     # Per step: [micro 0 backward (sync off), micro 1 backward (sync on), finalize].
     # The no-sync backward reduces nothing; the 4 units reduce once per step.
     assert all(step[0] == 0 and sum(step) == 4 for step in f["rs"]), f
@@ -73,8 +73,8 @@ def test_fsdp2_sync_flag_set_after_forward_governs_that_backward(r: dict[str, An
 
 
 @fsdp2_lacks_finalize
-def test_fsdp2_reductions_finished_by_torch_at_end_of_backward(r: dict[str, Any]) -> None:
-    f = r["fsdp2"]["flags"]
+def test_fsdp2_reductions_finished_by_torch_at_end_of_backward(rank0: dict[str, Any]) -> None:
+    f = rank0["fsdp2"]["flags"]
     # torch finalized the syncing backward itself: finalize has nothing left.
     assert f["rs"] == [[0, 4, 0], [0, 4, 0]], f
     assert f["pending_at_return"] == [False, False], f
@@ -82,9 +82,9 @@ def test_fsdp2_reductions_finished_by_torch_at_end_of_backward(r: dict[str, Any]
 
 @fsdp2_finalizes
 def test_fsdp2_manual_finalize_is_torchs_and_its_handle_pending_until_waited(
-    r: dict[str, Any],
+    rank0: dict[str, Any],
 ) -> None:
-    f = r["fsdp2"]["flags"]
+    f = rank0["fsdp2"]["flags"]
     # In torch's manual mode the units whose post-backward hook does not fire in
     # backward (the first block and the root: their inputs need no gradient) reduce
     # at finalize; the other two during the syncing backward.
@@ -94,16 +94,16 @@ def test_fsdp2_manual_finalize_is_torchs_and_its_handle_pending_until_waited(
 
 
 @fsdp2_lacks_finalize
-def test_fsdp2_deferred_reduction_refused_with_the_fix(r: dict[str, Any]) -> None:
-    d = r["fsdp2"]["deferred"]
+def test_fsdp2_deferred_reduction_refused_with_the_fix(rank0: dict[str, Any]) -> None:
+    d = rank0["fsdp2"]["deferred"]
     _refused(d["finalize_0"], "accumulated with sync off", "before the last backward")
     _refused(d["step_refused"], "never reduced", "run the last backward with sync on")
     assert d["rs"] == [[0, 0]], d  # nothing issued before the refusal
 
 
 @fsdp2_finalizes
-def test_fsdp2_deferred_reduction_runs_at_finalize(r: dict[str, Any]) -> None:
-    d = r["fsdp2"]["deferred"]
+def test_fsdp2_deferred_reduction_runs_at_finalize(rank0: dict[str, Any]) -> None:
+    d = rank0["fsdp2"]["deferred"]
     assert [d[f"finalize_{step}"] for step in range(3)] == ["ok"] * 3, d
     # Every step: no collective in the no-sync backwards, the 4 reduce-scatters at
     # finalize (manual mode async; automatic mode blocking, then async), none at wait.
@@ -113,32 +113,36 @@ def test_fsdp2_deferred_reduction_runs_at_finalize(r: dict[str, Any]) -> None:
 
 
 @fsdp2_finalizes
-def test_fsdp2_async_deferred_reduction_pending_until_waited(r: dict[str, Any]) -> None:
-    d = r["fsdp2"]["deferred"]
+def test_fsdp2_async_deferred_reduction_pending_until_waited(rank0: dict[str, Any]) -> None:
+    d = rank0["fsdp2"]["deferred"]
     p = d["pending"]
     _pending_handle_holds_everything_back(p)
     assert d["done_after_wait"] is True, d
 
 
 @pytest.mark.parametrize("mode", ["manual", "auto"])
-def test_fsdp2_finalize_with_nothing_pending_issues_nothing(r: dict[str, Any], mode: str) -> None:
-    n = r["fsdp2"]["nothing_pending"][mode]
+def test_fsdp2_finalize_with_nothing_pending_issues_nothing(
+    rank0: dict[str, Any], mode: str
+) -> None:
+    n = rank0["fsdp2"]["nothing_pending"][mode]
     assert n["outcome"] == "ok", n  # torch's "requires manual finalization" does not escape
     assert n["blocking"] is None and n["async_done"] is True, n
     assert n["rs"] == 0, n
 
 
 def test_fsdp2_finalize_with_sync_off_reduces_nothing_and_ends_the_backward(
-    r: dict[str, Any],
+    rank0: dict[str, Any],
 ) -> None:
-    n = r["fsdp2"]["nothing_pending"]["sync_off"]
+    n = rank0["fsdp2"]["nothing_pending"]["sync_off"]
     assert n["finalize"] == "ok" and n["rs"] == 0, n
     assert n["mode_change"] == "ok", n  # torch no longer holds the manual mode
 
 
 @pytest.mark.parametrize("mode", ["manual", "auto"])
-def test_fsdp2_finalize_inside_backward_refused_with_the_fix(r: dict[str, Any], mode: str) -> None:
-    i = r["fsdp2"]["inside_backward"][mode]
+def test_fsdp2_finalize_inside_backward_refused_with_the_fix(
+    rank0: dict[str, Any], mode: str
+) -> None:
+    i = rank0["fsdp2"]["inside_backward"][mode]
     # torch's FSDP2 finalizes only after backward completes (and in automatic mode
     # only at its end), so a hook cannot be handed reduced gradients.
     _refused(i["in_hook"], "inside backward", "after backward returns", "cadence.fully_shard")
@@ -148,8 +152,8 @@ def test_fsdp2_finalize_inside_backward_refused_with_the_fix(r: dict[str, Any], 
 # -- DDP -----------------------------------------------------------------------
 
 
-def test_ddp_sync_decided_when_backward_starts(r: dict[str, Any]) -> None:
-    d = r["ddp"]
+def test_ddp_sync_decided_when_backward_starts(rank0: dict[str, Any]) -> None:
+    d = rank0["ddp"]
     assert d["ours_is_itself"]
     assert d["ddp_all_reduces"] == 1, d  # one bucket, synced on the last microbatch only
     assert d["parity"] < 1e-6, d  # the same gradients as cadence.DataParallel
@@ -159,22 +163,22 @@ def test_ddp_sync_decided_when_backward_starts(r: dict[str, Any]) -> None:
     assert d["flip_after_forward"] == "ok", d["flip_after_forward"]
 
 
-def test_ddp_automatic_mode_finalize_has_nothing_left(r: dict[str, Any]) -> None:
-    d = r["ddp"]
+def test_ddp_automatic_mode_finalize_has_nothing_left(rank0: dict[str, Any]) -> None:
+    d = rank0["ddp"]
     # torch DDP and cadence.DataParallel alike: blocking and async finalize succeed.
     assert d["auto_finalize"] == ["ok"] * 4, d["auto_finalize"]
     assert d["auto_finalize_returned"] == [None, True], d
     assert d["auto_finalize_all_reduces"] == 0, d
 
 
-def test_ddp_automatic_mode_finalize_inside_backward_refused(r: dict[str, Any]) -> None:
-    outcome = r["ddp"]["auto_inside_backward"]
+def test_ddp_automatic_mode_finalize_inside_backward_refused(rank0: dict[str, Any]) -> None:
+    outcome = rank0["ddp"]["auto_inside_backward"]
     _refused(outcome, "inside backward", "after backward returns", "cadence.DataParallel")
 
 
 @ddp_lacks_finalize
-def test_ddp_manual_mode_finished_by_torch_at_end_of_backward(r: dict[str, Any]) -> None:
-    m = r["ddp"]["manual"]
+def test_ddp_manual_mode_finished_by_torch_at_end_of_backward(rank0: dict[str, Any]) -> None:
+    m = rank0["ddp"]["manual"]
     assert m["backward_all_reduces"] == 1, m
     assert m["grad_vs_reduced_after_backward"] < 1e-6, m  # already reduced
     assert m["should_finalize_0"] is False and m["should_finalize_1"] is False, m
@@ -183,8 +187,8 @@ def test_ddp_manual_mode_finished_by_torch_at_end_of_backward(r: dict[str, Any])
 
 
 @ddp_finalizes
-def test_ddp_manual_finalize_writes_grads_at_wait(r: dict[str, Any]) -> None:
-    m = r["ddp"]["manual"]
+def test_ddp_manual_finalize_writes_grads_at_wait(rank0: dict[str, Any]) -> None:
+    m = rank0["ddp"]["manual"]
     assert m["should_finalize_0"] is False and m["should_finalize_1"] is True, m
     # The all-reduce launched in backward; .grad keeps the local gradients until
     # the handle's wait runs torch's finalize, which issues nothing more.
@@ -197,24 +201,26 @@ def test_ddp_manual_finalize_writes_grads_at_wait(r: dict[str, Any]) -> None:
 
 
 @ddp_finalizes
-def test_ddp_async_finalize_pending_until_waited(r: dict[str, Any]) -> None:
-    m = r["ddp"]["manual"]
+def test_ddp_async_finalize_pending_until_waited(rank0: dict[str, Any]) -> None:
+    m = rank0["ddp"]["manual"]
     p = m["pending"]
     _pending_handle_holds_everything_back(p)
     assert m["done_after_wait"] is True, m
 
 
 @ddp_finalizes
-def test_ddp_manual_finalize_inside_backward_once_the_bucket_is_ready(r: dict[str, Any]) -> None:
-    m = r["ddp"]["manual"]
+def test_ddp_manual_finalize_inside_backward_once_the_bucket_is_ready(
+    rank0: dict[str, Any],
+) -> None:
+    m = rank0["ddp"]["manual"]
     assert m["inside_backward"] == "ok", m
     assert m["inside_backward_all_reduces"] == 1, m
     assert m["after_inside_backward"] == "ok", m  # nothing left for the caller
 
 
 @ddp_finalizes
-def test_ddp_manual_finalize_inside_backward_too_early_refused(r: dict[str, Any]) -> None:
-    m = r["ddp"]["manual"]
+def test_ddp_manual_finalize_inside_backward_too_early_refused(rank0: dict[str, Any]) -> None:
+    m = rank0["ddp"]["manual"]
     # torch's own check (the bucket is not ready yet), as a cadence error.
     _refused(m["too_early"], "inside backward", "torch refused it", "after backward returns")
     assert m["after_too_early"] == "ok", m
@@ -222,25 +228,25 @@ def test_ddp_manual_finalize_inside_backward_too_early_refused(r: dict[str, Any]
 
 @ddp_lacks_finalize
 def test_ddp_manual_finalize_inside_backward_refused_without_torch_finalization(
-    r: dict[str, Any],
+    rank0: dict[str, Any],
 ) -> None:
-    m = r["ddp"]["manual"]
+    m = rank0["ddp"]["manual"]
     for case in ("inside_backward", "too_early"):
         _refused(m[case], "inside backward", "after backward returns", "cadence.DataParallel")
     assert m["after_inside_backward"] == "ok" and m["after_too_early"] == "ok", m
 
 
 @pytest.mark.parametrize("mode", ["manual", "auto"])
-def test_ddp_deferred_reduction_refused_with_the_fix(r: dict[str, Any], mode: str) -> None:
-    d = r["ddp"]["deferred"][mode]
+def test_ddp_deferred_reduction_refused_with_the_fix(rank0: dict[str, Any], mode: str) -> None:
+    d = rank0["ddp"]["deferred"][mode]
     # DDP reduces only from a backward's hooks, on every torch.
     _refused(d["finalize"], "accumulated with sync off", "before the last backward")
     _refused(d["step"], "never reduced", "run the last backward with sync on")
     assert d["all_reduces"] == 0, d
 
 
-def test_split_backward_refused_for_torch_wrappers(r: dict[str, Any]) -> None:
-    d = r["ddp"]
+def test_split_backward_refused_for_torch_wrappers(rank0: dict[str, Any]) -> None:
+    d = rank0["ddp"]
     assert d["split"] == "ok", d["split"]
     theirs, ours = d["split_refusal"]
     assert "torch wrapper" in theirs and "cadence.DataParallel" in theirs, theirs

@@ -54,7 +54,7 @@ LOW_PRECISION_TOL = {"half": 1e-4, "bfloat16": 1e-4}
 
 
 @pytest.fixture(scope="module")
-def r() -> dict[str, Any]:
+def rank0() -> dict[str, Any]:
     ranks = run_distributed(module_methods_body, world_size=2, timeout=300)
     return ranks[0]
 
@@ -66,60 +66,60 @@ def _case(entry: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("init", ["reset_parameters", "init_weights"])
-def test_meta_init_gives_fsdp2_parameters(r: dict[str, Any], init: str) -> None:
-    case = _case(r["meta"][f"init={init!r}"])
+def test_meta_init_gives_fsdp2_parameters(rank0: dict[str, Any], init: str) -> None:
+    case = _case(rank0["meta"][f"init={init!r}"])
     assert case["init_keys_match"], case
     assert case["init_vs_fsdp2"] == 0.0, case
 
 
 @pytest.mark.parametrize("init", ["reset_parameters", "init_weights"])
-def test_meta_init_trains_like_fsdp2(r: dict[str, Any], init: str) -> None:
-    case = _case(r["meta"][f"init={init!r}"])
+def test_meta_init_trains_like_fsdp2(rank0: dict[str, Any], init: str) -> None:
+    case = _case(rank0["meta"][f"init={init!r}"])
     assert case["losses"][0] != case["losses"][-1], case
     assert case["losses_vs_fsdp2"] <= TOL, case
     assert case["final_vs_fsdp2"] <= TOL, case
 
 
-def test_meta_init_keeps_tied_weights_tied_and_matches_fsdp2(r: dict[str, Any]) -> None:
-    case = _case(r["meta_tied"])
+def test_meta_init_keeps_tied_weights_tied_and_matches_fsdp2(rank0: dict[str, Any]) -> None:
+    case = _case(rank0["meta_tied"])
     assert case["still_tied"], case
     assert case["init_vs_fsdp2"] == 0.0, case
     assert case["losses_vs_fsdp2"] <= TOL and case["final_vs_fsdp2"] <= TOL, case
 
 
-def test_forward_on_meta_is_refused(r: dict[str, Any]) -> None:
-    m = _case(r["meta_misuse"])
+def test_forward_on_meta_is_refused(rank0: dict[str, Any]) -> None:
+    m = _case(rank0["meta_misuse"])
     assert m["forward_on_meta"] == "ok", m["forward_on_meta"]
 
 
-def test_unit_mixing_meta_and_real_parameters_is_refused(r: dict[str, Any]) -> None:
-    m = _case(r["meta_misuse"])
+def test_unit_mixing_meta_and_real_parameters_is_refused(rank0: dict[str, Any]) -> None:
+    m = _case(rank0["meta_misuse"])
     assert m["mixed_meta"] == "ok", m["mixed_meta"]
 
 
-def test_assign_sharded_state_dict_materializes_meta_model(r: dict[str, Any]) -> None:
-    m = _case(r["meta_misuse"])
+def test_assign_sharded_state_dict_materializes_meta_model(rank0: dict[str, Any]) -> None:
+    m = _case(rank0["meta_misuse"])
     assert m["assign_sharded_vs_source"] == 0.0, m
     assert m["assign_sharded_losses"] == 0.0, m
 
 
-def test_assign_full_state_dict_materializes_meta_model(r: dict[str, Any]) -> None:
-    m = _case(r["meta_misuse"])
+def test_assign_full_state_dict_materializes_meta_model(rank0: dict[str, Any]) -> None:
+    m = _case(rank0["meta_misuse"])
     assert m["assign_full_vs_source"] == 0.0, m
 
 
-def test_load_full_state_dict_materializes_meta_model(r: dict[str, Any]) -> None:
-    m = _case(r["meta_misuse"])
+def test_load_full_state_dict_materializes_meta_model(rank0: dict[str, Any]) -> None:
+    m = _case(rank0["meta_misuse"])
     assert m["load_full_vs_source"] == 0.0, m
 
 
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("method", list(METHODS))
-def test_method_after_sharding_is_honoured(r: dict[str, Any], method: str, order: str) -> None:
+def test_method_after_sharding_is_honoured(rank0: dict[str, Any], method: str, order: str) -> None:
     """The oracle: one process continuing from the values the sharded parameters show
     right after the method, so a method whose effect never reaches the flat shards (or
     whose later updates never do) is caught whatever it does to the values."""
-    case = _case(r["methods"][f"method={method!r},order={order!r}"])
+    case = _case(rank0["methods"][f"method={method!r},order={order!r}"])
     assert case["cadence"] == "ok", case
     assert case["moved"] > 0, case
     assert case["cadence_vs_single"] <= LOW_PRECISION_TOL.get(method, TOL), case
@@ -130,19 +130,19 @@ def test_method_after_sharding_is_honoured(r: dict[str, Any], method: str, order
 
 
 def test_move_to_an_unusable_device_is_refused_before_anything_changes(
-    r: dict[str, Any],
+    rank0: dict[str, Any],
 ) -> None:
-    refused = _case(r["refused"])
+    refused = _case(rank0["refused"])
     assert refused["to_empty_cuda"] == "ok", refused
     assert refused["after_refusal_vs_untouched"] == 0.0, refused
 
 
-def test_parameter_replaced_by_another_shape_is_refused(r: dict[str, Any]) -> None:
-    refused = _case(r["refused"])
+def test_parameter_replaced_by_another_shape_is_refused(rank0: dict[str, Any]) -> None:
+    refused = _case(rank0["refused"])
     assert refused["wrong_shape"] == "ok", refused["wrong_shape"]
 
 
-def test_not_a_torch_fsdp_module(r: dict[str, Any]) -> None:
-    i = _case(r["isinstance"])
+def test_not_a_torch_fsdp_module(rank0: dict[str, Any]) -> None:
+    i = _case(rank0["isinstance"])
     assert not i["is_fsdp_module"], i
     assert i["is_fully_sharded_module"] and i["block_is_fully_sharded_module"], i

@@ -17,7 +17,7 @@ import types
 import weakref
 from typing import Any
 
-from cadence.pickling import _reconstructors_data as D
+from cadence.pickling import _reconstructors_data
 from cadence.pickling._errors import UnpicklableError
 from cadence.pickling._state import DumpState
 
@@ -30,27 +30,27 @@ __all__ = ["BUILTIN_REDUCERS", "SUBCLASS_REDUCERS", "StorageRef", "torch_reducer
 
 
 def _keys_reduce(state: DumpState, view: Any) -> Any:
-    return D._make_dict_keys, (list(view),)
+    return _reconstructors_data._make_dict_keys, (list(view),)
 
 
 def _values_reduce(state: DumpState, view: Any) -> Any:
-    return D._make_dict_values, (list(view),)
+    return _reconstructors_data._make_dict_values, (list(view),)
 
 
 def _items_reduce(state: DumpState, view: Any) -> Any:
-    return D._make_dict_items, (dict(view),)
+    return _reconstructors_data._make_dict_items, (dict(view),)
 
 
 def _odict_keys_reduce(state: DumpState, view: Any) -> Any:
-    return D._make_dict_keys, (list(view), True)
+    return _reconstructors_data._make_dict_keys, (list(view), True)
 
 
 def _odict_values_reduce(state: DumpState, view: Any) -> Any:
-    return D._make_dict_values, (list(view), True)
+    return _reconstructors_data._make_dict_values, (list(view), True)
 
 
 def _odict_items_reduce(state: DumpState, view: Any) -> Any:
-    return D._make_dict_items, (dict(view), True)
+    return _reconstructors_data._make_dict_items, (dict(view), True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def _memoryview_reduce(state: DumpState, view: memoryview) -> Any:
         buffer: Any = pickle.PickleBuffer(view)
     else:
         buffer = view.tobytes()
-    return D._make_memoryview, (buffer, fmt, shape, view.readonly)
+    return _reconstructors_data._make_memoryview, (buffer, fmt, shape, view.readonly)
 
 
 def _weakset_reduce(state: DumpState, ws: weakref.WeakSet[Any]) -> Any:
@@ -129,7 +129,7 @@ def _text_file_reduce(state: DumpState, f: io.TextIOWrapper) -> Any:
             why = f"it cannot be read ({exc})"
     if why is not None:
         raise UnpicklableError(f"cannot pickle the file {name!r}: {why}")
-    return D._make_text_file, (contents, name, position)
+    return _reconstructors_data._make_text_file, (contents, name, position)
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class StorageRef:
         self.buffer = buffer
 
     def __reduce__(self) -> Any:
-        return D._make_storage, (self.buffer,)
+        return _reconstructors_data._make_storage, (self.buffer,)
 
 
 def _plain_cpu_tensor(torch: Any, t: Any) -> bool:
@@ -224,7 +224,7 @@ def _tensor_reduce(state: DumpState, t: Any) -> Any:
         buffer = pickle.PickleBuffer(array) if state.protocol >= 5 else array.tobytes()
         ref = state.storages[key] = StorageRef(buffer)
         state.keepalive.append(storage)
-    return D._make_tensor, (
+    return _reconstructors_data._make_tensor, (
         ref, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.requires_grad,
     )  # fmt: skip
 

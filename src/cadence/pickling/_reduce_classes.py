@@ -16,8 +16,7 @@ import types
 import typing
 from typing import Any
 
-from cadence.pickling import _reconstructors as R
-from cadence.pickling import _reconstructors_data as D
+from cadence.pickling import _reconstructors, _reconstructors_data
 from cadence.pickling._canonical import canonical, name
 from cadence.pickling._lookup import is_registered_by_value, lookup_by_reference
 from cadence.pickling._state import DumpState
@@ -107,7 +106,7 @@ def class_reduce(state: DumpState, cls: type) -> Any:
     if isinstance(cls, enum.EnumMeta):
         members = {name(k): m._value_ for k, m in cls.__members__.items()}
         return (
-            R._make_skeleton_enum,
+            _reconstructors._make_skeleton_enum,
             (
                 cls.__bases__,
                 name(cls.__name__),
@@ -119,10 +118,10 @@ def class_reduce(state: DumpState, cls: type) -> Any:
             class_getstate(state, cls),
             None,
             None,
-            R._class_setstate,
+            _reconstructors._class_setstate,
         )
     return (
-        R._make_skeleton_class,
+        _reconstructors._make_skeleton_class,
         (
             type(cls),
             name(cls.__name__),
@@ -134,7 +133,7 @@ def class_reduce(state: DumpState, cls: type) -> Any:
         class_getstate(state, cls),
         None,
         None,
-        R._class_setstate,
+        _reconstructors._class_setstate,
     )
 
 
@@ -155,7 +154,7 @@ def _wrapper_reduce(state: DumpState, cm: Any) -> Any:
 
 def _cached_property_reduce(state: DumpState, prop: functools.cached_property[Any]) -> Any:
     # Its default reduce carries its lock (3.11 and older), which does not pickle.
-    return D._make_cached_property, (prop.func, prop.attrname, prop.__doc__)
+    return _reconstructors_data._make_cached_property, (prop.func, prop.attrname, prop.__doc__)
 
 
 def _class_dict_descriptor_reduce(state: DumpState, desc: Any) -> Any:
@@ -167,7 +166,7 @@ def _class_dict_descriptor_reduce(state: DumpState, desc: Any) -> Any:
     owner, name = desc.__objclass__, desc.__name__
     if owner.__dict__.get(name) is not desc:
         return NotImplemented
-    return D._class_dict_entry, (owner, name)
+    return _reconstructors_data._class_dict_entry, (owner, name)
 
 
 _DATACLASS_SENTINELS = {
@@ -181,7 +180,7 @@ def _dataclass_sentinel_reduce(state: DumpState, obj: Any) -> Any:
     sentinel = _DATACLASS_SENTINELS.get(id(obj))
     if sentinel is None:
         return NotImplemented
-    return R._dataclass_sentinel, (sentinel,)
+    return _reconstructors._dataclass_sentinel, (sentinel,)
 
 
 def _mappingproxy_reduce(state: DumpState, proxy: types.MappingProxyType[Any, Any]) -> Any:
@@ -213,7 +212,7 @@ def _by_name(obj: Any) -> bool:
 def _typevar_reduce(state: DumpState, tv: Any) -> Any:
     if _by_name(tv):
         return NotImplemented
-    return R._make_typevar, (
+    return _reconstructors._make_typevar, (
         name(tv.__name__),
         tv.__bound__,
         tv.__constraints__,
@@ -228,19 +227,29 @@ def _paramspec_reduce(state: DumpState, ps: Any) -> Any:
         return NotImplemented
     options = {"bound": ps.__bound__, "covariant": ps.__covariant__,
                "contravariant": ps.__contravariant__}  # fmt: skip
-    return R._make_typing_param, ("ParamSpec", name(ps.__name__), options, tracker_id(ps))
+    return _reconstructors._make_typing_param, (
+        "ParamSpec",
+        name(ps.__name__),
+        options,
+        tracker_id(ps),
+    )
 
 
 def _typevartuple_reduce(state: DumpState, tvt: Any) -> Any:
     if _by_name(tvt):
         return NotImplemented
-    return R._make_typing_param, ("TypeVarTuple", name(tvt.__name__), {}, tracker_id(tvt))
+    return _reconstructors._make_typing_param, (
+        "TypeVarTuple",
+        name(tvt.__name__),
+        {},
+        tracker_id(tvt),
+    )
 
 
 def _newtype_reduce(state: DumpState, nt: Any) -> Any:
     if _by_name(nt):
         return NotImplemented
-    return R._make_newtype, (
+    return _reconstructors._make_newtype, (
         name(nt.__name__),
         nt.__supertype__,
         name(nt.__module__),

@@ -21,8 +21,7 @@ import types
 import weakref
 from typing import Any
 
-from cadence.pickling import _reconstructors as R
-from cadence.pickling import _reconstructors_data as D
+from cadence.pickling import _reconstructors, _reconstructors_data
 from cadence.pickling._canonical import (
     SortedSet,
     canonical,
@@ -187,7 +186,7 @@ def code_reduce(state: DumpState, code: types.CodeType) -> tuple[Any, ...]:
     hit = _CODE_ARGS.get(id(code))
     if hit is not None and hit[0]() is code and hit[1] == generation:
         return hit[2]
-    rv = (R._make_code, (_VERSION, _code_args(code)))
+    rv = (_reconstructors._make_code, (_VERSION, _code_args(code)))
     if len(_CODE_ARGS) >= _CODE_ARGS_LIMIT:
         _CODE_ARGS.clear()
     _CODE_ARGS[id(code)] = (weakref.ref(code), generation, rv)
@@ -199,12 +198,19 @@ def cell_reduce(state: DumpState, cell: types.CellType) -> tuple[Any, ...]:
     # fills it after the function is memoized, which is what makes a recursive closure
     # terminate. A cell reached on its own carries its contents as its own state.
     if id(cell) in state.closure_cells:
-        return R._make_cell, ()
+        return _reconstructors._make_cell, ()
     try:
         contents = cell.cell_contents
     except ValueError:
-        return R._make_cell, ()
-    return R._make_cell, (), canonical(state, contents), None, None, R._cell_setstate
+        return _reconstructors._make_cell, ()
+    return (
+        _reconstructors._make_cell,
+        (),
+        canonical(state, contents),
+        None,
+        None,
+        _reconstructors._cell_setstate,
+    )
 
 
 def _globals_skeleton(state: DumpState, g: dict[str, Any]) -> dict[str, Any]:
@@ -227,7 +233,7 @@ def _globals_skeleton(state: DumpState, g: dict[str, Any]) -> dict[str, Any]:
 # skipped for them (it would run for each one in every dump).
 _RECONSTRUCTORS = frozenset(
     f
-    for module in (R, D)
+    for module in (_reconstructors, _reconstructors_data)
     for f in vars(module).values()
     if isinstance(f, types.FunctionType) and f.__module__ == module.__name__
 )
@@ -247,12 +253,12 @@ def function_reduce(state: DumpState, func: types.FunctionType) -> Any:
     # differs between the dumping process and one that reloaded the function.
     fname = None if func.__name__ == code.co_name else _maybe_name(func.__name__)
     return (
-        R._make_function,
+        _reconstructors._make_function,
         (code, base, fname, closure),
         function_getstate(state, func),
         None,
         None,
-        R._function_setstate,
+        _reconstructors._function_setstate,
     )
 
 
@@ -266,7 +272,7 @@ def method_reduce(state: DumpState, method: types.MethodType) -> Any:
 def module_reduce(state: DumpState, module: types.ModuleType) -> Any:
     modname = module.__name__
     if sys.modules.get(modname) is module and not is_registered_by_value(modname):
-        return R._import_module, (name(modname),)
+        return _reconstructors._import_module, (name(modname),)
     # A module that exists only here (made with types.ModuleType) or one registered by
     # value travels with its namespace, as the state of an empty module that is memoized
     # first (a function of the module that reads the module finds it in the memo).
@@ -275,4 +281,11 @@ def module_reduce(state: DumpState, module: types.ModuleType) -> Any:
     ns = {
         _maybe_name(k): canonical(state, v) for k, v in vars(module).items() if k != "__builtins__"
     }
-    return R._make_dynamic_module, (name(modname),), ns, None, None, R._module_setstate
+    return (
+        _reconstructors._make_dynamic_module,
+        (name(modname),),
+        ns,
+        None,
+        None,
+        _reconstructors._module_setstate,
+    )

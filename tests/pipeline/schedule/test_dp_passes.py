@@ -22,8 +22,6 @@ from cadence.pipeline.schedule import (
 # No torch here: run once, not on every torch lane (see tests/conftest.py).
 pytestmark = pytest.mark.torch_free
 
-K = ActionKind
-
 
 def _kinds(acts, *kinds) -> list[str]:
     return [str(a) for a in acts if a.kind in kinds]
@@ -35,7 +33,7 @@ def test_reductions_in_flight_at_most_k(k: int) -> None:
     result = verify(low)
     # Three local stages per rank: min(k, 3) reductions overlap at the peak.
     assert result.peak_reductions == (min(k, 3), min(k, 3))
-    rank0 = _kinds(low.ranks[0], K.REDUCE_GRAD, K.WAIT_REDUCE_GRAD)
+    rank0 = _kinds(low.ranks[0], ActionKind.REDUCE_GRAD, ActionKind.WAIT_REDUCE_GRAD)
     if k == 1:
         assert rank0 == [
             "4REDUCE_GRAD",
@@ -53,7 +51,7 @@ def test_each_reduction_is_issued_before_the_other_stages_finish() -> None:
     # The reduction of the first finished stage overlaps the other stage's backward.
     low = lower(generate("zbv", 2, 4))
     acts = list(low.ranks[0])
-    first = next(i for i, a in enumerate(acts) if a.kind is K.REDUCE_GRAD)
+    first = next(i for i, a in enumerate(acts) if a.kind is ActionKind.REDUCE_GRAD)
     other = {3, 0} - {acts[first].stage}
     assert any(c.stage in other for a in acts[first:] for c in a.compute_parts())
 
@@ -74,8 +72,8 @@ def test_one_unshard_and_reshard_per_stage(name: str, lookahead: int) -> None:
         acts = list(acts)
         for s in low.stages_of(r):
             # One all-gather per stage per step ...
-            (u,) = [i for i, a in enumerate(acts) if a.kind is K.UNSHARD and a.stage == s]
-            (f,) = [i for i, a in enumerate(acts) if a.kind is K.RESHARD and a.stage == s]
+            (u,) = [i for i, a in enumerate(acts) if a.kind is ActionKind.UNSHARD and a.stage == s]
+            (f,) = [i for i, a in enumerate(acts) if a.kind is ActionKind.RESHARD and a.stage == s]
             uses = [i for i, a in enumerate(acts) for c in a.compute_parts() if c.stage == s]
             # ... `lookahead` computes ahead of the first use (or at the start) ...
             computes = [i for i, a in enumerate(acts) if a.is_compute]
@@ -83,7 +81,9 @@ def test_one_unshard_and_reshard_per_stage(name: str, lookahead: int) -> None:
             assert between == min(lookahead, computes.index(uses[0]))
             # ... and the free after the last use and after the stage's reduction.
             assert f > uses[-1]
-            red = [i for i, a in enumerate(acts) if a.kind is K.REDUCE_GRAD and a.stage == s]
+            red = [
+                i for i, a in enumerate(acts) if a.kind is ActionKind.REDUCE_GRAD and a.stage == s
+            ]
             assert f > red[0]
             assert not any(a.is_compute for a in acts[uses[-1] + 1 : f])
     assert result.peak_memory

@@ -35,7 +35,6 @@ from cadence.pipeline.schedule import sim as sim_module
 
 pytestmark = pytest.mark.torch_free
 
-K = ActionKind
 # Sizes 4x apart in actions (p and m both doubled); the allowance over 4x covers
 # the log factor of sorting; the full scan the simulator used to do per step
 # (work growing as actions x ranks) measured 5.2x here.
@@ -155,10 +154,10 @@ def _mutate(sched: Schedule, rng: random.Random) -> Schedule:
             del rows[r][i]
         else:
             a = rows[r][i]
-            if a.kind is K.SEND:  # a blocking send: SEND + WAIT_SEND
-                rows[r].insert(i + 1, replace(a, kind=K.WAIT_SEND, channel=None, seq=None))
+            if a.kind is ActionKind.SEND:  # a blocking send: SEND + WAIT_SEND
+                rows[r].insert(i + 1, replace(a, kind=ActionKind.WAIT_SEND, channel=None, seq=None))
             else:
-                rows[r].insert(i, Action(K.BARRIER, 0))
+                rows[r].insert(i, Action(ActionKind.BARRIER, 0))
     return sched.with_ranks(rows)
 
 

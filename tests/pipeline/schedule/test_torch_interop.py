@@ -33,7 +33,6 @@ from cadence.pipeline.schedule import (
 torch = pytest.importorskip("torch")
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
-K = ActionKind
 # Feature-detected, not read off the version string: the action is what matters.
 TORCH_HAS_REDUCE_WAIT = "WAIT_REDUCE_GRAD" in torch_schedules._ComputationType.__members__
 needs_torch_reduce_wait = pytest.mark.skipif(
@@ -136,10 +135,10 @@ def _back_to_torch(low: Schedule, rank: int) -> list[str]:
     acts = low.ranks[rank]
     out: list[str] = []
     for i, a in enumerate(acts):
-        if a.kind is K.LOCAL:
+        if a.kind is ActionKind.LOCAL:
             continue
-        if a.kind is K.WAIT_REDUCE_GRAD and not TORCH_HAS_REDUCE_WAIT:
-            assert acts[i - 1] == Action(K.REDUCE_GRAD, a.stage), (rank, i, a)
+        if a.kind is ActionKind.WAIT_REDUCE_GRAD and not TORCH_HAS_REDUCE_WAIT:
+            assert acts[i - 1] == Action(ActionKind.REDUCE_GRAD, a.stage), (rank, i, a)
             continue
         out.append(str(replace(a, channel=None, seq=None)))
     return out
@@ -157,9 +156,16 @@ def test_torch_lowered_lists_import_action_for_action(name: str, p: int, m: int,
     for r in range(p):
         assert _back_to_torch(low, r) == rows[r], f"rank {r}"
     kinds = {a.kind for acts in low.ranks for a in acts}
-    assert {K.SEND, K.RECV, K.UNSHARD, K.RESHARD, K.REDUCE_GRAD, K.WAIT_REDUCE_GRAD} <= kinds
+    assert {
+        ActionKind.SEND,
+        ActionKind.RECV,
+        ActionKind.UNSHARD,
+        ActionKind.RESHARD,
+        ActionKind.REDUCE_GRAD,
+        ActionKind.WAIT_REDUCE_GRAD,
+    } <= kinds
     if TORCH_HAS_REDUCE_WAIT:
-        assert K.WAIT_SEND in kinds
+        assert ActionKind.WAIT_SEND in kinds
     n_waits = sum(row.count(f"{s}WAIT_REDUCE_GRAD") for row in rows for s in range(p * v))
     assert n_waits == (p * v if TORCH_HAS_REDUCE_WAIT else 0)
     verify(low)
@@ -176,20 +182,20 @@ def test_torch_wait_reduce_grad_is_imported_where_torch_puts_it(name: str, defer
         "WAIT_REDUCE_GRAD",
         None,
     )
-    assert parse_action("4WAIT_REDUCE_GRAD") == Action(K.WAIT_REDUCE_GRAD, 4)
+    assert parse_action("4WAIT_REDUCE_GRAD") == Action(ActionKind.WAIT_REDUCE_GRAD, 4)
     p, m, v = 4, 8, 2
     rows = _torch_rows(name, p, m, v, defer_reduce_grad_wait=deferred)
     low = complete_comms(Schedule.from_lists(rows, placement_for(name, p, v), lowered=True))
     for r, acts in enumerate(low.ranks):
         assert _back_to_torch(low, r) == rows[r], f"rank {r}"
-        issues = [i for i, a in enumerate(acts) if a.kind is K.REDUCE_GRAD]
-        waits = [i for i, a in enumerate(acts) if a.kind is K.WAIT_REDUCE_GRAD]
+        issues = [i for i, a in enumerate(acts) if a.kind is ActionKind.REDUCE_GRAD]
+        waits = [i for i, a in enumerate(acts) if a.kind is ActionKind.WAIT_REDUCE_GRAD]
         assert len(issues) == len(waits) == v, (r, issues, waits)
         for n, (i, j) in enumerate(zip(issues, waits, strict=True)):
             # Each wait is for the reduction issued last: one in flight per rank.
             assert acts[j].stage == acts[i].stage and i < j, (r, acts[i], acts[j])
             between = acts[i + 1 : j]
-            assert not any(a.kind is K.REDUCE_GRAD for a in between), (r, acts[j])
+            assert not any(a.kind is ActionKind.REDUCE_GRAD for a in between), (r, acts[j])
             later = acts[j + 1 :]
             if not deferred:
                 # torch's default: the wait follows its issue, no compute between.
@@ -198,11 +204,11 @@ def test_torch_wait_reduce_grad_is_imported_where_torch_puts_it(name: str, defer
                 # Deferred: waited just before the next use of the one in-flight
                 # slot, the rank's next REDUCE_GRAD; the compute of the other local
                 # stage runs while the first reduction is in flight.
-                assert later[0].kind is K.REDUCE_GRAD, (r, acts[j], later[0])
+                assert later[0].kind is ActionKind.REDUCE_GRAD, (r, acts[j], later[0])
                 assert any(a.is_compute for a in between), (r, acts[j])
             else:
                 # The last one: at the end of the step, before the optimizer.
-                assert not any(a.is_compute or a.kind is K.REDUCE_GRAD for a in later)
+                assert not any(a.is_compute or a.kind is ActionKind.REDUCE_GRAD for a in later)
     result = verify(low)
     assert result.peak_reductions == (1,) * p
     if deferred:
@@ -210,12 +216,12 @@ def test_torch_wait_reduce_grad_is_imported_where_torch_puts_it(name: str, defer
         # same order of computes, issues and waits once torch's waits are removed
         # and cadence's placed instead.
         stripped = low.with_ranks(
-            [[a for a in acts if a.kind is not K.WAIT_REDUCE_GRAD] for acts in low.ranks]
+            [[a for a in acts if a.kind is not ActionKind.WAIT_REDUCE_GRAD] for acts in low.ranks]
         )
         ours = add_wait_reduce(stripped, max_outstanding=1)
 
         def skeleton(acts: tuple[Action, ...]) -> list[str]:
-            keep = (K.REDUCE_GRAD, K.WAIT_REDUCE_GRAD)
+            keep = (ActionKind.REDUCE_GRAD, ActionKind.WAIT_REDUCE_GRAD)
             return [str(a) for a in acts if a.is_compute or a.kind in keep]
 
         for r in range(p):
@@ -262,16 +268,16 @@ def test_complete_comms_keeps_torch_reduction_waits() -> None:
     assert [[str(replace(a, channel=None, seq=None)) for a in acts] for acts in low.ranks] == (
         _TORCH_215_GPIPE
     )
-    assert low.ranks[0][-1] == Action(K.WAIT_REDUCE_GRAD, 0)
-    assert low.ranks[1][9] == Action(K.WAIT_REDUCE_GRAD, 1)
+    assert low.ranks[0][-1] == Action(ActionKind.WAIT_REDUCE_GRAD, 0)
+    assert low.ranks[1][9] == Action(ActionKind.WAIT_REDUCE_GRAD, 1)
     verify(low)
     # torch 2.13's form: no wait in the list, so each blocking REDUCE_GRAD gets one.
     blocking = [[a for a in row if "WAIT_REDUCE_GRAD" not in a] for row in _TORCH_215_GPIPE]
     low = complete_comms(Schedule.from_lists(blocking, lowered=True))
     for acts in low.ranks:
-        i = next(i for i, a in enumerate(acts) if a.kind is K.REDUCE_GRAD)
-        assert acts[i + 1] == Action(K.WAIT_REDUCE_GRAD, acts[i].stage)
-        assert sum(a.kind is K.WAIT_REDUCE_GRAD for a in acts) == 1
+        i = next(i for i, a in enumerate(acts) if a.kind is ActionKind.REDUCE_GRAD)
+        assert acts[i + 1] == Action(ActionKind.WAIT_REDUCE_GRAD, acts[i].stage)
+        assert sum(a.kind is ActionKind.WAIT_REDUCE_GRAD for a in acts) == 1
     verify(low)
 
 

@@ -71,10 +71,9 @@ from cadence.topology import ParallelGroups
 
 __all__ = ["PipelineRuntime", "PipelineRuntimeError"]
 
-K = ActionKind
 # Kinds a forward-only step keeps (transfers are kept when they carry activations).
-_FORWARD_KINDS = frozenset({K.F, K.UNSHARD, K.RESHARD})
-_TRANSFERS = frozenset({K.SEND, K.RECV, K.LOCAL})
+_FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.UNSHARD, ActionKind.RESHARD})
+_TRANSFERS = frozenset({ActionKind.SEND, ActionKind.RECV, ActionKind.LOCAL})
 Tensors = tuple[torch.Tensor, ...]
 
 
@@ -175,7 +174,9 @@ class PipelineRuntime:
             tie_error, tied = str(e), {}
         local_error = self._stage_mismatch() or tie_error or self._split_refusal()
         self._last_backward = self._find_last_backwards()
-        for s in {a.stage for a in self.actions if a.kind in (K.UNSHARD, K.RESHARD)}:
+        for s in {
+            a.stage for a in self.actions if a.kind in (ActionKind.UNSHARD, ActionKind.RESHARD)
+        }:
             if s in self._sync:
                 self._sync[s].take_placement()
         self._forward_actions = tuple(
@@ -203,23 +204,23 @@ class PipelineRuntime:
         self._route = {
             a: comms[(self._channel(a), a.payload)]
             for a in self.actions
-            if a.kind in (K.SEND, K.RECV)
+            if a.kind in (ActionKind.SEND, ActionKind.RECV)
         }
         self._handlers: dict[ActionKind, Callable[[Action, int, _StepState], None]] = {
-            K.F: self._forward,
-            K.B: self._backward,
-            K.I: self._backward,
-            K.W: self._backward_weight,
-            K.FB_OVERLAP: self._overlap,
-            K.SEND: self._send,
-            K.RECV: self._recv,
-            K.LOCAL: self._local,
-            K.WAIT_SEND: self._wait_send,
-            K.BARRIER: self._barrier,
-            K.REDUCE_GRAD: self._reduce_grad,
-            K.WAIT_REDUCE_GRAD: self._wait_reduce_grad,
-            K.UNSHARD: lambda a, i, st: self._sync[a.stage].unshard(),
-            K.RESHARD: lambda a, i, st: self._sync[a.stage].reshard(),
+            ActionKind.F: self._forward,
+            ActionKind.B: self._backward,
+            ActionKind.I: self._backward,
+            ActionKind.W: self._backward_weight,
+            ActionKind.FB_OVERLAP: self._overlap,
+            ActionKind.SEND: self._send,
+            ActionKind.RECV: self._recv,
+            ActionKind.LOCAL: self._local,
+            ActionKind.WAIT_SEND: self._wait_send,
+            ActionKind.BARRIER: self._barrier,
+            ActionKind.REDUCE_GRAD: self._reduce_grad,
+            ActionKind.WAIT_REDUCE_GRAD: self._wait_reduce_grad,
+            ActionKind.UNSHARD: lambda a, i, st: self._sync[a.stage].unshard(),
+            ActionKind.RESHARD: lambda a, i, st: self._sync[a.stage].reshard(),
         }
         self._meta_ready = False
         self.local_handoffs = 0  # lifetime count of LOCAL hand-offs (tests read it)
@@ -253,7 +254,12 @@ class PipelineRuntime:
         return None
 
     def _split_refusal(self) -> str | None:
-        split = {c.stage for a in self.actions for c in a.compute_parts() if c.kind in (K.I, K.W)}
+        split = {
+            c.stage
+            for a in self.actions
+            for c in a.compute_parts()
+            if c.kind in (ActionKind.I, ActionKind.W)
+        }
         for s in sorted(split & set(self._sync)):
             why = self._sync[s].split_refusal()
             if why is not None:
@@ -261,7 +267,7 @@ class PipelineRuntime:
         return None
 
     def _channel(self, a: Action) -> tuple[int, int]:
-        src, dst = (a.peer_stage, a.stage) if a.kind is K.RECV else (a.stage, a.peer_stage)
+        src, dst = (a.peer_stage, a.stage) if a.kind is ActionKind.RECV else (a.stage, a.peer_stage)
         return (self.placement[src], self.placement[dst])  # type: ignore[index]
 
     def _find_last_backwards(self) -> dict[int, int]:
@@ -269,7 +275,7 @@ class PipelineRuntime:
         last: dict[int, int] = {}
         for i, a in enumerate(self.actions):
             for c in a.compute_parts():
-                if c.kind in (K.B, K.W):
+                if c.kind in (ActionKind.B, ActionKind.W):
                     last[c.stage] = i
         return last
 
@@ -341,7 +347,7 @@ class PipelineRuntime:
                 if plan is not None:
                     for j in plan.at_start if i == 0 else ():
                         self._post_recv(actions, j, posted, st)
-                    if a.kind is K.RECV:
+                    if a.kind is ActionKind.RECV:
                         for j in plan.on_reach[i]:
                             self._post_recv(actions, j, posted, st)
                         continue
@@ -431,7 +437,7 @@ class PipelineRuntime:
         if not stage.is_last:
             grads = self._take(st, (a.stage, mb, True))
             stage.check_grads(grads, mb, "received")
-        if a.kind is K.B:
+        if a.kind is ActionKind.B:
             self._sync[a.stage].before_backward(self._last_backward.get(a.stage) == i)
             in_grads = stage.backward(mb, grads)
         else:  # I: the input half; the stage's last backward is its W
@@ -483,7 +489,7 @@ class PipelineRuntime:
         for a in run:
             comm, peer = self._route[a]
             batch = ops.setdefault(id(comm.group), (comm, []))[1]
-            if a.kind is K.SEND:
+            if a.kind is ActionKind.SEND:
                 tensors = (st.grads if a.payload is Payload.GRAD else st.acts).pop((a.stage, a.mb))
                 batch.append((a, [("send", t.contiguous(), peer) for t in tensors]))
             else:
@@ -495,7 +501,7 @@ class PipelineRuntime:
             self.p2p_batches += 1
             for a, part in items:
                 mine = [next(works) for _ in part]
-                if a.kind is K.SEND:
+                if a.kind is ActionKind.SEND:
                     st.sends[_send_key(a)] = mine
                 else:
                     key = (a.stage, a.mb, a.payload is Payload.GRAD)
@@ -547,7 +553,7 @@ def _p2p_runs(actions: Sequence[Action]) -> dict[int, tuple[Action, ...]]:
     i = 0
     while i < len(actions):
         j = i
-        while j < len(actions) and actions[j].kind in (K.SEND, K.RECV):
+        while j < len(actions) and actions[j].kind in (ActionKind.SEND, ActionKind.RECV):
             j += 1
         if j > i:
             runs[i] = tuple(actions[i:j])

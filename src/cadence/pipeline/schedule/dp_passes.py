@@ -33,8 +33,7 @@ from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule, ScheduleV
 
 __all__ = ["add_reduce_grad", "add_unshard_reshard", "add_wait_reduce"]
 
-K = ActionKind
-_REDUCTIONS = (K.REDUCE_GRAD, K.WAIT_REDUCE_GRAD)
+_REDUCTIONS = (ActionKind.REDUCE_GRAD, ActionKind.WAIT_REDUCE_GRAD)
 
 
 def add_reduce_grad(sched: Schedule) -> Schedule:
@@ -50,12 +49,12 @@ def add_reduce_grad(sched: Schedule) -> Schedule:
         last: dict[int, int] = {}
         for i, a in enumerate(acts):
             for c in a.compute_parts():
-                if c.kind in (K.B, K.W):
+                if c.kind in (ActionKind.B, ActionKind.W):
                     last[c.stage] = i
         new: list[Action] = []
         for i, a in enumerate(acts):
             new.append(a)
-            new.extend(Action(K.REDUCE_GRAD, s) for s in sorted(last) if last[s] == i)
+            new.extend(Action(ActionKind.REDUCE_GRAD, s) for s in sorted(last) if last[s] == i)
         out.append(new)
     return sched.with_ranks(out)
 
@@ -75,16 +74,16 @@ def add_wait_reduce(sched: Schedule, *, max_outstanding: int = 1) -> Schedule:
         new: list[Action] = []
         pending: list[int] = []
         for a in acts:
-            if a.kind is K.WAIT_REDUCE_GRAD:
+            if a.kind is ActionKind.WAIT_REDUCE_GRAD:
                 raise ScheduleValidationError(
                     f"{a}: the schedule already has its waits; add_wait_reduce places them"
                 )
-            if a.kind is K.REDUCE_GRAD:
+            if a.kind is ActionKind.REDUCE_GRAD:
                 if len(pending) == max_outstanding:
-                    new.append(Action(K.WAIT_REDUCE_GRAD, pending.pop(0)))
+                    new.append(Action(ActionKind.WAIT_REDUCE_GRAD, pending.pop(0)))
                 pending.append(a.stage)
             new.append(a)
-        new += [Action(K.WAIT_REDUCE_GRAD, s) for s in pending]
+        new += [Action(ActionKind.WAIT_REDUCE_GRAD, s) for s in pending]
         out.append(new)
     return sched.with_ranks(out)
 
@@ -97,7 +96,7 @@ def add_unshard_reshard(sched: Schedule, *, lookahead: int = 1) -> Schedule:
         )
     out = []
     for r, acts in enumerate(sched.ranks):
-        if any(a.kind in (K.UNSHARD, K.RESHARD) for a in acts):
+        if any(a.kind in (ActionKind.UNSHARD, ActionKind.RESHARD) for a in acts):
             raise ScheduleValidationError(
                 f"rank {r} already has UNSHARD/RESHARD actions; add_unshard_reshard places them"
             )
@@ -119,15 +118,15 @@ def add_unshard_reshard(sched: Schedule, *, lookahead: int = 1) -> Schedule:
             # Past this stage's REDUCE_GRAD if it follows (with other markers between).
             while j + 1 < len(acts) and not acts[j + 1].is_compute:
                 j += 1
-                if acts[j].kind is K.REDUCE_GRAD and acts[j].stage == s:
+                if acts[j].kind is ActionKind.REDUCE_GRAD and acts[j].stage == s:
                     break
             else:
                 j = i
             after.setdefault(j, []).append(s)
         new: list[Action] = []
         for i, a in enumerate(acts):
-            new += [Action(K.UNSHARD, s) for s in sorted(before.get(i, ()))]
+            new += [Action(ActionKind.UNSHARD, s) for s in sorted(before.get(i, ()))]
             new.append(a)
-            new += [Action(K.RESHARD, s) for s in sorted(after.get(i, ()))]
+            new += [Action(ActionKind.RESHARD, s) for s in sorted(after.get(i, ()))]
         out.append(new)
     return sched.with_ranks(out)

@@ -100,7 +100,6 @@ __all__ = [
     "order_comms",
 ]
 
-K = ActionKind
 Channel = tuple[int, int]
 
 
@@ -124,12 +123,14 @@ def add_comms(sched: Schedule) -> Schedule:
             rows[r].append(a)
             for src, dst, payload, mb in outputs_of(a, n):
                 if place[dst] == r:
-                    rows[r].append(Action(K.LOCAL, src, mb, peer_stage=dst, payload=payload))
+                    rows[r].append(
+                        Action(ActionKind.LOCAL, src, mb, peer_stage=dst, payload=payload)
+                    )
                 else:
                     ch = (r, place[dst])
                     rows[r].append(
                         Action(
-                            K.SEND,
+                            ActionKind.SEND,
                             src,
                             mb,
                             peer_stage=dst,
@@ -152,7 +153,13 @@ def add_comms(sched: Schedule) -> Schedule:
                     if place[src] != r:
                         ch, sq = send_seq[(src, dst, payload, mb)]
                         recv = Action(
-                            K.RECV, dst, mb, peer_stage=src, payload=payload, channel=ch, seq=sq
+                            ActionKind.RECV,
+                            dst,
+                            mb,
+                            peer_stage=src,
+                            payload=payload,
+                            channel=ch,
+                            seq=sq,
                         )
                         by_channel.setdefault(ch, []).append((sq, i, recv))
         for items in by_channel.values():
@@ -212,8 +219,9 @@ def complete_comms(sched: Schedule) -> Schedule:
             # LOCAL and channel/seq numbers are what this pass adds; a list that
             # has them was completed (or lowered by cadence) already. Reduction
             # waits are not among them: torch 2.15 emits its own.
-            if a.kind is K.LOCAL or (
-                a.kind in (K.SEND, K.RECV) and (a.seq is not None or a.channel is not None)
+            if a.kind is ActionKind.LOCAL or (
+                a.kind in (ActionKind.SEND, ActionKind.RECV)
+                and (a.seq is not None or a.channel is not None)
             ):
                 raise ScheduleValidationError(
                     f"rank {r}: {a} already has cadence's fields (LOCAL, channel or #seq); "
@@ -221,7 +229,9 @@ def complete_comms(sched: Schedule) -> Schedule:
                     "schedule needs no completion"
                 )
     # See [Note: torch's reduction waits].
-    blocking_reduce = not any(a.kind is K.WAIT_REDUCE_GRAD for acts in sched.ranks for a in acts)
+    blocking_reduce = not any(
+        a.kind is ActionKind.WAIT_REDUCE_GRAD for acts in sched.ranks for a in acts
+    )
     n, place = sched.num_stages, sched.placement
     seq: Counter[Channel] = Counter()
     numbered: dict[tuple, tuple[Channel, int]] = {}
@@ -229,22 +239,22 @@ def complete_comms(sched: Schedule) -> Schedule:
     for r, acts in enumerate(sched.ranks):
         row: list[Action] = []
         for a in acts:
-            if a.kind is K.SEND:
+            if a.kind is ActionKind.SEND:
                 ch = (r, place[a.peer_stage])  # type: ignore[index]
                 numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)] = (ch, seq[ch])
                 a = a.linked(ch, seq[ch])
                 seq[ch] += 1
             row.append(a)
-            if a.kind is K.REDUCE_GRAD and blocking_reduce:
+            if a.kind is ActionKind.REDUCE_GRAD and blocking_reduce:
                 # torch 2.13's REDUCE_GRAD blocks until the reduction is done.
-                row.append(Action(K.WAIT_REDUCE_GRAD, a.stage))
+                row.append(Action(ActionKind.WAIT_REDUCE_GRAD, a.stage))
             for src, dst, payload, mb in outputs_of(a, n) if a.is_compute else ():
                 if place[dst] == r:
-                    row.append(Action(K.LOCAL, src, mb, peer_stage=dst, payload=payload))
+                    row.append(Action(ActionKind.LOCAL, src, mb, peer_stage=dst, payload=payload))
         rows.append(row)
     for r, row in enumerate(rows):
         for i, a in enumerate(row):
-            if a.kind is K.RECV:
+            if a.kind is ActionKind.RECV:
                 key = (a.peer_stage, a.stage, a.payload, a.mb, a.slot)
                 ch, sq = numbered.get(key, ((place[a.peer_stage], r), None))  # type: ignore[index]
                 # A RECV with no SEND keeps seq None; validate_lowered names it.
@@ -259,11 +269,11 @@ def apply_parity_rule(sched: Schedule) -> Schedule:
         new: list[Action] = []
         run: list[Action] = []
         for a in [*acts, None]:
-            if a is not None and a.kind in (K.SEND, K.RECV):
+            if a is not None and a.kind in (ActionKind.SEND, ActionKind.RECV):
                 run.append(a)
                 continue
             # Stable: a RECV from a higher-ranked peer moves ahead of SENDs in the run.
-            first = [x for x in run if x.kind is K.RECV and _src_rank(sched, x) > r]
+            first = [x for x in run if x.kind is ActionKind.RECV and _src_rank(sched, x) > r]
             new.extend(first + [x for x in run if x not in first])
             run = []
             if a is not None:
@@ -286,7 +296,9 @@ def order_comms(sched: Schedule) -> Schedule:
     if not sched.meta.lowered:
         raise ScheduleValidationError("order_comms takes a lowered schedule (run add_comms first)")
     n = sched.num_stages
-    times = compute_times(sched, {K.F: 1, K.I: 1, K.W: 1, K.B: 2})
+    times = compute_times(
+        sched, {ActionKind.F: 1, ActionKind.I: 1, ActionKind.W: 1, ActionKind.B: 2}
+    )
     ready: dict[tuple, float] = {}  # message -> the end of its producer
     for r, acts in enumerate(sched.ranks):
         for a, (_, end) in zip((a for a in acts if a.is_compute), times[r], strict=True):
@@ -294,7 +306,7 @@ def order_comms(sched: Schedule) -> Schedule:
                 ready[edge] = end
 
     def order(a: Action) -> tuple:
-        src, dst = (a.peer_stage, a.stage) if a.kind is K.RECV else (a.stage, a.peer_stage)
+        src, dst = (a.peer_stage, a.stage) if a.kind is ActionKind.RECV else (a.stage, a.peer_stage)
         t = ready[(src, dst, a.payload, a.mb)]
         return (t, src, dst, a.payload.value, a.mb, a.slot)  # type: ignore[union-attr]
 
@@ -304,12 +316,12 @@ def order_comms(sched: Schedule) -> Schedule:
         # gaps[j]: the transfers posted after the rank's j-th compute (0: before any).
         gaps: list[list[Action]] = [[] for _ in range(len(ends) + 1)]
         for a in acts:
-            if a.kind in (K.SEND, K.RECV):
+            if a.kind in (ActionKind.SEND, ActionKind.RECV):
                 gaps[bisect_right(ends, order(a)[0])].append(a)
         row = sorted(gaps[0], key=order)
         j = 0
         for a in acts:
-            if a.kind in (K.SEND, K.RECV):
+            if a.kind in (ActionKind.SEND, ActionKind.RECV):
                 continue
             if a.is_compute:
                 j += 1
@@ -328,15 +340,15 @@ def _renumber(sched: Schedule) -> Schedule:
     numbered: dict[tuple, int] = {}
     for acts in sched.ranks:
         for a in acts:
-            if a.kind is K.SEND:
+            if a.kind is ActionKind.SEND:
                 numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)] = seq[a.channel]  # type: ignore[index]
                 seq[a.channel] += 1  # type: ignore[index]
     rows = [
         [
             a.linked(a.channel, numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)])
-            if a.kind is K.SEND
+            if a.kind is ActionKind.SEND
             else a.linked(a.channel, numbered[(a.peer_stage, a.stage, a.payload, a.mb, a.slot)])
-            if a.kind is K.RECV
+            if a.kind is ActionKind.RECV
             else a
             for a in acts
         ]

@@ -77,7 +77,6 @@ __all__ = [
     "verify",
 ]
 
-K = ActionKind
 ChannelMode = Literal["shared", "per_direction", "per_directed_edge"]
 _MODES = ("shared", "per_direction", "per_directed_edge")
 
@@ -130,7 +129,7 @@ class _Sim:
         self.events: list[tuple[int, str, float, float]] = []
         self.flows: list[tuple[int, int, float, float, str]] = []
         self.mem = memory or MemoryModel()
-        gathered = {a.stage for acts in sched.ranks for a in acts if a.kind is K.UNSHARD}
+        gathered = {a.stage for acts in sched.ranks for a in acts if a.kind is ActionKind.UNSHARD}
         # Stages without an UNSHARD are resident throughout; the others from UNSHARD on.
         self.resident: list[set[int]] = [set(sched.stages_of(r)) - gathered for r in range(self.p)]
         self.peak_mem = [0.0] * self.p
@@ -148,7 +147,12 @@ class _Sim:
         self.unit_cost: dict[ActionKind, float] | None = None
         if type(time).duration is TimeModel.duration:
             b = time.b if time.b is not None else time.i + time.w
-            self.unit_cost = {K.F: time.f, K.I: time.i, K.W: time.w, K.B: b}
+            self.unit_cost = {
+                ActionKind.F: time.f,
+                ActionKind.I: time.i,
+                ActionKind.W: time.w,
+                ActionKind.B: b,
+            }
 
     def _group(self, a: Action, ch: tuple[int, int]) -> Any:
         if self.mode == "shared":
@@ -159,7 +163,7 @@ class _Sim:
 
     def _key(self, a: Action) -> tuple:
         peer = a.peer_stage
-        src, dst = (peer, a.stage) if a.kind is K.RECV else (a.stage, peer)
+        src, dst = (peer, a.stage) if a.kind is ActionKind.RECV else (a.stage, peer)
         return (src, dst, a.payload, a.mb)
 
     # -- matching ---------------------------------------------------------------
@@ -296,7 +300,7 @@ class _Sim:
         if self.pc[r] >= len(acts):
             return False
         i, a = self.pc[r], acts[self.pc[r]]
-        if a.kind is K.SEND:
+        if a.kind is ActionKind.SEND:
             op = self._post(r, i, a, self.sends)
             self.sent_by[(self._key(a), a.slot)] = op
             self.rank_sends[r].append(op)
@@ -305,23 +309,23 @@ class _Sim:
                 self.buffered[r] += 1
             self.pc[r] += 1
             return True
-        if a.kind is K.RECV:
+        if a.kind is ActionKind.RECV:
             op = self._post(r, i, a, self.recvs)
             self.recv_of[(r, self._key(a))] = op
             self.pc[r] += 1
             return True
-        if a.kind is K.LOCAL:
+        if a.kind is ActionKind.LOCAL:
             self.avail[(r, self._key(a))] = self.produced.get(self._key(a), self.t[r])
             self.pc[r] += 1
             return True
-        if a.kind is K.WAIT_SEND:
+        if a.kind is ActionKind.WAIT_SEND:
             op = self.sent_by.get((self._key(a), a.slot))
             if op is None or op.done is None:
                 return False
             self.t[r] = max(self.t[r], op.done)
             self.pc[r] += 1
             return True
-        if a.kind is K.BARRIER:
+        if a.kind is ActionKind.BARRIER:
             sent = self.rank_sends[r]  # any order: only "all done" and the latest matter
             if any(o.done is None for o in sent):
                 return False
@@ -351,10 +355,10 @@ class _Sim:
             self.first[r] = min(self.first[r], start)
             self.last[r] = max(self.last[r], end)
             for c in a.compute_parts():
-                if c.kind is K.F:
+                if c.kind is ActionKind.F:
                     self.live[r] += 1
                     self.peak[r] = max(self.peak[r], self.live[r])
-                elif c.kind in (K.B, K.W):
+                elif c.kind in (ActionKind.B, ActionKind.W):
                     self.live[r] -= 1
             for key in outputs_of(a, self.n):
                 self.produced[key] = end
@@ -363,14 +367,14 @@ class _Sim:
             self.pc[r] += 1
             return True
         # REDUCE_GRAD, WAIT_REDUCE_GRAD, UNSHARD, RESHARD: zero-time markers for time.
-        if a.kind is K.UNSHARD:
+        if a.kind is ActionKind.UNSHARD:
             self.resident[r].add(a.stage)
-        elif a.kind is K.RESHARD:
+        elif a.kind is ActionKind.RESHARD:
             self.resident[r].discard(a.stage)
-        elif a.kind is K.REDUCE_GRAD:
+        elif a.kind is ActionKind.REDUCE_GRAD:
             self.reducing[r] += 1
             self.peak_red[r] = max(self.peak_red[r], self.reducing[r])
-        elif a.kind is K.WAIT_REDUCE_GRAD:
+        elif a.kind is ActionKind.WAIT_REDUCE_GRAD:
             self.reducing[r] -= 1
         self._account(r)
         self.pc[r] += 1
@@ -422,9 +426,9 @@ class _Sim:
                         if (r, key) not in self.avail and cand is not None and cand.done is None:
                             op = cand
                             break
-                elif a.kind is K.WAIT_SEND:
+                elif a.kind is ActionKind.WAIT_SEND:
                     op = self.sent_by.get((self._key(a), a.slot))
-                elif a.kind is K.BARRIER:
+                elif a.kind is ActionKind.BARRIER:
                     op = next((o for o in self._rank_sends(r) if o.done is None), None)
             else:
                 left = [o for o in self._rank_sends(r) if o.done is None]
@@ -580,7 +584,7 @@ def _structural_blocked_send(sched: Schedule) -> tuple[int, int, int] | None:
             acts = sched.ranks[peer]
             for j in range(sim.pc[peer], len(acts)):
                 b = acts[j]
-                if b.kind is K.RECV and sim._key(b) == sim._key(op.action):
+                if b.kind is ActionKind.RECV and sim._key(b) == sim._key(op.action):
                     return peer, sim.pc[peer], j
         return None
     return None

@@ -22,8 +22,6 @@ __all__ = [
     "TimeModel",
 ]
 
-K = ActionKind
-
 
 @dataclass(frozen=True)
 class TimeModel:
@@ -49,10 +47,10 @@ class TimeModel:
 
     def duration(self, a: Action, v: int) -> float:
         base = {
-            K.F: self.f,
-            K.I: self.i,
-            K.W: self.w,
-            K.B: self.b if self.b is not None else self.i + self.w,
+            ActionKind.F: self.f,
+            ActionKind.I: self.i,
+            ActionKind.W: self.w,
+            ActionKind.B: self.b if self.b is not None else self.i + self.w,
         }
         total = sum(base[c.kind] for c in a.compute_parts())
         return total / v if self.scale_by_chunks else total

@@ -45,8 +45,7 @@ __all__ = [
     "validate_residency",
 ]
 
-K = ActionKind
-_COMM = (K.SEND, K.RECV, K.LOCAL, K.WAIT_SEND)
+_COMM = (ActionKind.SEND, ActionKind.RECV, ActionKind.LOCAL, ActionKind.WAIT_SEND)
 Edge = tuple[int, int, Payload, int]
 
 
@@ -68,9 +67,9 @@ def inputs_of(a: Action, n_stages: int) -> list[Edge]:
     out = []
     for c in a.compute_parts():
         assert c.mb is not None
-        if c.kind is K.F and c.stage > 0:
+        if c.kind is ActionKind.F and c.stage > 0:
             out.append((c.stage - 1, c.stage, Payload.ACT, c.mb))
-        elif c.kind in (K.B, K.I) and c.stage + 1 < n_stages:
+        elif c.kind in (ActionKind.B, ActionKind.I) and c.stage + 1 < n_stages:
             out.append((c.stage + 1, c.stage, Payload.GRAD, c.mb))
     return out
 
@@ -80,9 +79,9 @@ def outputs_of(a: Action, n_stages: int) -> list[Edge]:
     out = []
     for c in a.compute_parts():
         assert c.mb is not None
-        if c.kind is K.F and c.stage + 1 < n_stages:
+        if c.kind is ActionKind.F and c.stage + 1 < n_stages:
             out.append((c.stage, c.stage + 1, Payload.ACT, c.mb))
-        elif c.kind in (K.B, K.I) and c.stage > 0:
+        elif c.kind in (ActionKind.B, ActionKind.I) and c.stage > 0:
             out.append((c.stage, c.stage - 1, Payload.GRAD, c.mb))
     return out
 
@@ -96,9 +95,9 @@ def validate_compute(sched: Schedule, m: int | None = None) -> None:
     n = sched.num_stages
     if m <= 0:
         raise _err("the schedule has no microbatches (meta.m == 0 and no compute actions)")
-    counts: Counter[tuple[K, int, int]] = Counter()
+    counts: Counter[tuple[ActionKind, int, int]] = Counter()
     for r, acts in enumerate(sched.ranks):
-        seen: set[tuple[K, int, int]] = set()
+        seen: set[tuple[ActionKind, int, int]] = set()
         for i, a in enumerate(acts):
             for c in a.compute_parts():
                 assert c.mb is not None
@@ -112,28 +111,35 @@ def validate_compute(sched: Schedule, m: int | None = None) -> None:
                 key = (c.kind, c.stage, c.mb)
                 if key in seen:
                     raise _err(f"{_where(r, i, c)}: {c} runs twice")
-                if c.kind in (K.B, K.I) and (K.F, c.stage, c.mb) not in seen:
-                    what = "Full backward" if c.kind is K.B else "Input backward"
+                if (
+                    c.kind in (ActionKind.B, ActionKind.I)
+                    and (ActionKind.F, c.stage, c.mb) not in seen
+                ):
+                    what = "Full backward" if c.kind is ActionKind.B else "Input backward"
                     raise _err(
                         f"{_where(r, i, c)}: {what} of stage {c.stage}, microbatch {c.mb} without first "
                         f"running its forward (B before F)"
                     )
-                if c.kind is K.W and (K.I, c.stage, c.mb) not in seen:
+                if c.kind is ActionKind.W and (ActionKind.I, c.stage, c.mb) not in seen:
                     raise _err(
                         f"{_where(r, i, c)}: weight backward of stage {c.stage}, microbatch {c.mb} before "
                         f"its input backward (W before I)"
                     )
-                if c.kind is K.I and (K.B, c.stage, c.mb) in seen:
+                if c.kind is ActionKind.I and (ActionKind.B, c.stage, c.mb) in seen:
                     raise _err(f"{_where(r, i, c)}: microbatch has both a full B and an I/W split")
                 seen.add(key)
                 counts[key] += 1
     for s in range(n):
         for k in range(m):
-            if not counts[(K.F, s, k)]:
+            if not counts[(ActionKind.F, s, k)]:
                 raise _err(
                     f"stage {s} (rank {sched.placement[s]}) is missing the forward of microbatch {k}"
                 )
-            full, inp, wgt = counts[(K.B, s, k)], counts[(K.I, s, k)], counts[(K.W, s, k)]
+            full, inp, wgt = (
+                counts[(ActionKind.B, s, k)],
+                counts[(ActionKind.I, s, k)],
+                counts[(ActionKind.W, s, k)],
+            )
             if full == 0 and inp == 0:
                 raise _err(
                     f"stage {s} (rank {sched.placement[s]}) is missing the backward of microbatch {k}"
@@ -164,7 +170,7 @@ def validate_lowered(sched: Schedule) -> None:
                     raise _err(
                         f"{_where(r, i, a)}: peer stage {peer} is not a stage of this schedule"
                     )
-                src, dst = (peer, a.stage) if a.kind is K.RECV else (a.stage, peer)
+                src, dst = (peer, a.stage) if a.kind is ActionKind.RECV else (a.stage, peer)
                 key = (src, dst, a.payload, a.mb, a.slot)
                 same = sched.placement[src] == sched.placement[dst]
                 route = (sched.placement[src], sched.placement[dst])
@@ -173,7 +179,7 @@ def validate_lowered(sched: Schedule) -> None:
                         f"{_where(r, i, a)}: channel {a.channel} but stage {src} -> {dst} is rank "
                         f"{route[0]} -> {route[1]}; a channel is (src rank, dst rank)"
                     )
-                if a.kind is K.LOCAL:
+                if a.kind is ActionKind.LOCAL:
                     if not same:
                         raise _err(
                             f"{_where(r, i, a)}: LOCAL between stages on ranks {sched.placement[src]} and {sched.placement[dst]}; use SEND/RECV"
@@ -185,7 +191,7 @@ def validate_lowered(sched: Schedule) -> None:
                     raise _err(
                         f"{_where(r, i, a)}: {a.kind.name} between stages {src} and {dst} on the same rank; use LOCAL"
                     )
-                elif a.kind is K.SEND:
+                elif a.kind is ActionKind.SEND:
                     if key[:4] not in produced:
                         raise _err(
                             f"{_where(r, i, a)}: SEND before its producer ({src}{'F' if a.payload is Payload.ACT else 'B/I'}{a.mb}) ran"
@@ -193,7 +199,7 @@ def validate_lowered(sched: Schedule) -> None:
                     if key in sends:
                         raise _err(f"{_where(r, i, a)}: duplicate SEND")
                     sends[key] = (r, i, a)
-                elif a.kind is K.RECV:
+                elif a.kind is ActionKind.RECV:
                     if key in recvs:
                         raise _err(f"{_where(r, i, a)}: duplicate RECV")
                     recvs[key] = (r, i, a)
@@ -232,19 +238,19 @@ def validate_reductions(sched: Schedule) -> None:
         last_grad: dict[int, int] = {}  # stage -> index of its last B or W here
         for i, a in enumerate(acts):
             for c in a.compute_parts():
-                if c.kind in (K.B, K.W):
+                if c.kind in (ActionKind.B, ActionKind.W):
                     last_grad[c.stage] = i
         issued: dict[int, int] = {}  # stage -> index of its REDUCE_GRAD
         waited: dict[int, int] = {}
         for i, a in enumerate(acts):
-            if a.kind not in (K.REDUCE_GRAD, K.WAIT_REDUCE_GRAD):
+            if a.kind not in (ActionKind.REDUCE_GRAD, ActionKind.WAIT_REDUCE_GRAD):
                 continue
             if sched.placement[a.stage] != r:
                 raise _err(
                     f"{_where(r, i, a)}: stage {a.stage} lives on rank {sched.placement[a.stage]}; "
                     "a stage's reduction runs on its own rank"
                 )
-            if a.kind is K.REDUCE_GRAD:
+            if a.kind is ActionKind.REDUCE_GRAD:
                 if a.stage in issued:
                     raise _err(
                         f"{_where(r, i, a)}: duplicate REDUCE_GRAD for stage {a.stage} (first at action "
@@ -287,11 +293,11 @@ def validate_reductions(sched: Schedule) -> None:
 def validate_residency(sched: Schedule) -> None:
     """The UNSHARD / RESHARD rules: where a schedule has any, every stage has one
     UNSHARD before its first compute and one RESHARD after its last, on its rank."""
-    kinds = (K.UNSHARD, K.RESHARD)
+    kinds = (ActionKind.UNSHARD, ActionKind.RESHARD)
     if not any(a.kind in kinds for acts in sched.ranks for a in acts):
         return
     for r, acts in enumerate(sched.ranks):
-        seen: dict[tuple[K, int], int] = {}
+        seen: dict[tuple[ActionKind, int], int] = {}
         for i, a in enumerate(acts):
             if a.kind in kinds:
                 if sched.placement[a.stage] != r:
@@ -304,19 +310,19 @@ def validate_residency(sched: Schedule) -> None:
                         f"{_where(r, i, a)}: duplicate {a.kind.name} for stage {a.stage} (first at action "
                         f"{seen[(a.kind, a.stage)]}); one gather and one free per step"
                     )
-                if a.kind is K.RESHARD and (K.UNSHARD, a.stage) not in seen:
+                if a.kind is ActionKind.RESHARD and (ActionKind.UNSHARD, a.stage) not in seen:
                     raise _err(f"{_where(r, i, a)}: RESHARD of stage {a.stage} before its UNSHARD")
                 seen[(a.kind, a.stage)] = i
             for c in a.compute_parts():
-                if (K.UNSHARD, c.stage) not in seen:
+                if (ActionKind.UNSHARD, c.stage) not in seen:
                     raise _err(
                         f"rank {r}, action {i} ({c}): stage {c.stage} computes before its "
                         "UNSHARD (its parameters are still sharded)"
                     )
-                if (K.RESHARD, c.stage) in seen:
+                if (ActionKind.RESHARD, c.stage) in seen:
                     raise _err(
                         f"rank {r}, action {i} ({c}): stage {c.stage} computes after its "
-                        f"RESHARD (action {seen[(K.RESHARD, c.stage)]}); reshard after the last use"
+                        f"RESHARD (action {seen[(ActionKind.RESHARD, c.stage)]}); reshard after the last use"
                     )
         for s in sched.stages_of(r):
             for kind in kinds:
