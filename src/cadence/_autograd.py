@@ -1,9 +1,9 @@
-"""Private autograd-engine hooks, behind one module with fallbacks.
+"""Private autograd-engine hooks, behind one module.
 
 DataParallel and fully_shard need two things torch does not expose publicly:
 whether code runs inside a backward (and in which graph task), and a callback
 at the end of the current graph task. Keeping both here means one file to
-update when torch renames them.
+update when torch renames them; every supported torch (2.13 to 2.15) has both.
 """
 
 from __future__ import annotations
@@ -15,18 +15,13 @@ from torch.autograd import Variable
 
 __all__ = ["current_graph_task_id", "in_backward", "queue_callback"]
 
-_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
-
-
 def current_graph_task_id() -> int:
     """The id of the running autograd graph task, or -1 outside backward.
 
     Nested (reentrant) backwards, e.g. reentrant activation checkpointing, run in
     their own graph task, so comparing ids tells the outermost task apart.
     """
-    if _task_id is None:  # pragma: no cover - very old torch
-        return -1
-    return int(_task_id())
+    return int(torch._C._current_graph_task_id())
 
 
 def in_backward() -> bool:
