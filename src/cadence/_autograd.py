@@ -15,6 +15,7 @@ from torch.autograd import Variable
 
 __all__ = ["current_graph_task_id", "in_backward", "queue_callback"]
 
+
 def current_graph_task_id() -> int:
     """The id of the running autograd graph task, or -1 outside backward.
 

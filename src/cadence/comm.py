@@ -459,7 +459,7 @@ class Comm:
             event = self._event("reduce_scatter", input, op=op, algorithm="exchange")
             work = exchange_reduce_scatter(self.group, output, input, self.rank, self.world_size)
             # The exchange keeps ``input`` alive until its sum is done, and no longer:
-            # see [Note: who keeps a reduce-scatter input alive] in fsdp/_state.py.
+            # see [Note: who keeps a reduce-scatter input alive] in fsdp/_root_runtime.py.
             return self._finish(
                 CommWork(work, event=event, after=after, tensors=(output,)), async_op
             )

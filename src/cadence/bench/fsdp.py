@@ -79,7 +79,7 @@ def _shard(impl: str, net: Any, prefetch: bool, reshard: bool, device: str) -> A
             fully_shard(b, reshard_after_forward=reshard)
         root = fully_shard(net)
         # cadence_sync: each reduce-scatter waited at once, FSDP2-on-CPU's memory
-        # profile (see [Note: bounded in-flight reductions] in cadence.fsdp._state).
+        # profile (see [Note: bounded in-flight reductions] in cadence.fsdp._root_runtime).
         root.set_max_inflight_reductions(0 if impl == "cadence_sync" else 1)
         if impl == "cadence_native":
             # What fully_shard's own design gives, without the exchange collectives

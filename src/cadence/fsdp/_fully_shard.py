@@ -26,7 +26,7 @@ from cadence.fsdp._api import (
 )
 from cadence.fsdp._materialize import check_meta_consistent, conversion_name, conversion_target
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
-from cadence.fsdp._state import Runtime
+from cadence.fsdp._root_runtime import RootRuntime
 from cadence.fsdp._unit import ShardedState, Unit
 from cadence.topology import DataParallelGroup, DataParallelLayout
 
@@ -91,7 +91,7 @@ def __getattr__(name: str) -> Any:
 class UnshardHandle:
     """An in-flight ``unshard(async_op=True)``; ``wait()`` (idempotent) registers the params."""
 
-    def __init__(self, unit: Unit, runtime: Runtime) -> None:
+    def __init__(self, unit: Unit, runtime: RootRuntime) -> None:
         self._unit = unit
         self._runtime = runtime
 
@@ -106,10 +106,10 @@ class FullyShardedModule(nn.Module):
     _cadence_unit: Unit
     # The runtime of this module's current root: replaced when a later fully_shard
     # call wraps an ancestor, so hooks look it up here at call time.
-    _cadence_runtime: Runtime
+    _cadence_runtime: RootRuntime
 
     @property
-    def _runtime(self) -> Runtime:
+    def _runtime(self) -> RootRuntime:
         return self._cadence_runtime
 
     def _units(self, recurse: bool) -> list[Unit]:
@@ -155,7 +155,7 @@ class FullyShardedModule(nn.Module):
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False skips the all-reduce over replicas (reduce-scatter only) until True.
 
-        See [Note: HSDP partial reductions] in ``_state.py``. Without replicas (1-D)
+        See [Note: HSDP partial reductions] in ``_root_runtime.py``. Without replicas (1-D)
         there is no all-reduce, and the flag has no effect, as in FSDP2.
         """
         refuse_inside_backward(
@@ -551,7 +551,7 @@ def fully_shard(
     units = [m._cadence_unit for m in module.modules() if isinstance(m, FullyShardedModule)]
     inherited = [u.event_log for u in units if u.event_log is not None]
     log = event_log or (inherited[0] if inherited else None)
-    runtime = Runtime(unit, units, log)
+    runtime = RootRuntime(unit, units, log)
     paths = {id(m): name for name, m in module.named_modules()}
     for u in units:
         u.path = paths.get(id(u.module), "")

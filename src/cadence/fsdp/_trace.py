@@ -36,7 +36,7 @@ from torch import nn
 
 from cadence.fsdp._api import FullyShardError
 from cadence.fsdp._fully_shard import FullyShardedModule
-from cadence.fsdp._state import TrainingState
+from cadence.fsdp._root_runtime import TrainingState
 from cadence.fsdp._unit import ShardedState
 
 __all__ = ["refusal", "traced_forward"]

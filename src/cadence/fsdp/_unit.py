@@ -50,7 +50,7 @@ class PendingReduction:
     ) -> None:
         self.unit = unit
         # The (W, S) input itself is owned by the work, not held here: see
-        # [Note: who keeps a reduce-scatter input alive] in cadence/fsdp/_state.py.
+        # [Note: who keeps a reduce-scatter input alive] in cadence/fsdp/_root_runtime.py.
         self.input_nbytes = input_nbytes
         self.rs_output = rs_output  # (S,) reduce dtype
         self.rs_work = rs_work
@@ -101,7 +101,7 @@ class Unit:
             )
         self.orig_dtype = dtypes.pop() if dtypes else torch.float32
         self.param_dtype, self.reduce_dtype, self.accum_dtype = mp_policy.resolve(self.orig_dtype)
-        # -- flags read late by the hooks (see [Note: flags are read late] in _state.py) --
+        # -- flags read late by the hooks (see [Note: flags are read late] in _root_runtime.py) --
         self.reshard_after_forward_arg = reshard_after_forward
         self.reshard_after_forward = (
             True if reshard_after_forward is None else reshard_after_forward
@@ -154,7 +154,7 @@ class Unit:
         self._free_unsharded()
         self.state = ShardedState.SHARDED
         self.all_gather_state: AllGatherState | None = None
-        self.stale = False  # see [Note: stale unsharded copies] in _state.py
+        self.stale = False  # see [Note: stale unsharded copies] in _root_runtime.py
         # precompile_module is tracing this unit's forward: see
         # [Note: precompiling a fully_shard forward] in _trace.py.
         self.tracing = False

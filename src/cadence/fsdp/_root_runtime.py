@@ -11,7 +11,7 @@ it reduces exactly what the current flags say is owed.
 
 [Note: one wait-and-cleanup path]
 The automatic end-of-backward callback and the public ``finalize_backward`` both end
-in ``Runtime.wait_and_cleanup``: wait reduce-scatters in issue order, issue and wait
+in ``RootRuntime.wait_and_cleanup``: wait reduce-scatters in issue order, issue and wait
 the HSDP all-reduces, write the sharded ``.grad`` of each unit, and pop each unit only
 after its write-back succeeded. A cleanup exception therefore leaves the remaining
 units queued, and a retry completes each exactly once.
@@ -67,7 +67,7 @@ from cadence.comm import Comm, CommWork, EventLog, ReductionHandle
 from cadence.fsdp._api import FullyShardError
 from cadence.fsdp._unit import PendingReduction, ShardedState, Unit
 
-__all__ = ["Runtime", "TrainingState"]
+__all__ = ["RootRuntime", "TrainingState"]
 
 
 class TrainingState(enum.Enum):
@@ -76,7 +76,7 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"
 
 
-class Runtime:
+class RootRuntime:
     """State shared by the units of one root (FSDP2's FSDPState + FSDPCommContext)."""
 
     def __init__(self, root: Unit, units: list[Unit], event_log: EventLog | None) -> None:
