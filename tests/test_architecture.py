@@ -11,6 +11,8 @@
 - docs/architecture.md names every module under ``src/cadence`` (by its path there,
   ``pipeline/runtime/groups.py``, or its dotted name), and every ``.py`` path it names
   exists: the map cannot silently drift from the code, either way.
+- Every ``See [Note: ...]`` names a Note that is written once, in ``src/cadence``: a
+  Note renamed or moved away cannot leave its readers pointing at nothing.
 
 The ``KNOWN_*`` sets list what is still being moved; each entry is removed when it is
 fixed, and a fixed entry that is still listed fails the test, so the lists only shrink.
@@ -152,3 +154,36 @@ def test_every_path_the_architecture_doc_names_exists() -> None:
     paths = set(re.findall(r"`([\w./-]+\.py)`", text))
     gone = sorted(p for p in paths if not any((d / p).exists() for d in (PACKAGE, SRC, ROOT)))
     assert not gone, f"docs/architecture.md names files that do not exist: {gone}"
+
+
+# A Note is written where a line starts with its title (in a docstring, or after "# "),
+# followed by the end of the line or its first sentence; anywhere else it is a reference.
+_NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+_NOTE_WRITTEN = re.compile(r"^(?:# )?\[Note: ([^\]]+)\](?:$| [A-Z(`\"])")
+
+
+def _notes() -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
+    written: dict[str, list[str]] = {}
+    cited: list[tuple[str, str]] = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{path.relative_to(SRC)}:{number}"
+            stripped = line.strip()
+            title = _NOTE_WRITTEN.match(stripped)
+            if title:
+                written.setdefault(title.group(1), []).append(where)
+                stripped = stripped[title.end(1) + 1 :]
+            cited += [(m.group(1), where) for m in _NOTE.finditer(stripped)]
+    return written, cited
+
+
+def test_every_cited_note_is_written_once() -> None:
+    written, cited = _notes()
+    twice = {title: places for title, places in written.items() if len(places) > 1}
+    assert not twice, f"Notes written more than once (keep one, cite it elsewhere): {twice}"
+    dangling = sorted(
+        {f"[Note: {title}] at {where}" for title, where in cited if title not in written}
+    )
+    assert not dangling, "cited but never written (rename the citation or write the Note): " + (
+        ", ".join(dangling)
+    )

@@ -1,54 +1,14 @@
 """The runtime shared by every unit under one root: hooks, pending reductions, finalization.
 
-[Note: flags are read late]
-``set_requires_gradient_sync`` / ``set_reshard_after_backward`` / the manual-finalization
-flag only set attributes. The post-backward hook reads a unit's flags when it runs, and
-``finalize_backward`` reads them when it is called. Nothing ever overrides a flag
-temporarily: a finalize that forced sync on and restored it afterwards would reduce
-units the caller deliberately left accumulating, and its effect would depend on state
-the caller cannot see. Following the flags makes ``finalize_backward`` predictable:
-it reduces exactly what the current flags say is owed.
+Its Notes, each above the code it governs:
 
-[Note: one wait-and-cleanup path]
-The automatic end-of-backward callback and the public ``finalize_backward`` both end
-in ``RootRuntime.wait_and_cleanup``: wait reduce-scatters in issue order, issue and wait
-the HSDP all-reduces, write the sharded ``.grad`` of each unit, and pop each unit only
-after its write-back succeeded. A cleanup exception therefore leaves the remaining
-units queued, and a retry completes each exactly once.
-
-[Note: collective order]
-Every rank issues collectives in program order: all-gathers in forward/pre-backward
-hook order (prefetch included), reduce-scatters in post-backward order, and the
-deferred reductions of ``finalize_backward`` in reverse registration order.
-
-[Note: bounded in-flight reductions]
-Each in-flight reduce-scatter keeps its (W, S) input alive until it is waited (gloo
-even clones it internally). Unbounded, one backward would hold an input per unit, the
-whole unsharded gradient of the model. ``max_inflight_reductions`` (default 1, as
-FSDP2) bounds them: issuing one more first waits the oldest, so each reduce-scatter
-still overlaps the next unit's backward for the price of one extra buffer. The
-oldest is retired before the next input is even built, so two inputs are never alive
-together. 0 waits each at once (no overlap, least memory). The one buffer is the
-whole memory price of the overlap: during the next unit's backward this runtime holds
-what FSDP2 holds (FSDP2 on CPU waits each reduce-scatter at once) plus one in-flight
-input and the backend's staging of it.
-
-[Note: HSDP partial reductions]
-``set_requires_all_reduce(False)`` (HSDP only) keeps the reduce-scatter over the
-shard group but skips the all-reduce over replicas: the shard-averaged output is
-added into the unit's ``partial_reduce`` and nothing is written to ``.grad``. The
-next reduction with the flag on adds the partial sum before its all-reduce (or
-``finalize_backward`` all-reduces it alone), so replicas exchange one all-reduce
-per accumulation window instead of one per microbatch; the average is the same.
-
-[Note: stale unsharded copies]
-``reshard_after_backward=False`` is honoured after a syncing reduction: the unit stays
-unsharded, as the flag says. Its unsharded parameters then predate the optimizer step
-that will apply these gradients, so the unit is marked stale and its next forward
-re-gathers the (updated) shards instead of computing with old values. Resharding
-regardless would be cheaper to reason about but would override a flag the caller set
-(see [Note: flags are read late]). In no-sync accumulation nothing is reduced, the
-optimizer does not step, and nothing goes stale.
+- `RootRuntime`: [Note: collective order];
+- ``post_backward``: [Note: flags are read late];
+- ``make_room``: [Note: bounded in-flight reductions];
+- ``issue_reduction``: [Note: who keeps a reduce-scatter input alive],
+  [Note: stale unsharded copies];
+- ``retire``: [Note: HSDP partial reductions];
+- ``wait_and_cleanup``: [Note: one wait-and-cleanup path].
 """
 
 from __future__ import annotations
@@ -76,6 +36,10 @@ class TrainingState(enum.Enum):
     BACKWARD = "backward"
 
 
+# [Note: collective order]
+# Every rank issues collectives in program order: all-gathers in forward/pre-backward
+# hook order (prefetch included), reduce-scatters in post-backward order, and the
+# deferred reductions of ``finalize_backward`` in reverse registration order.
 class RootRuntime:
     """State shared by the units of one root (FSDP2's FSDPState + FSDPCommContext)."""
 
@@ -264,6 +228,14 @@ class RootRuntime:
         if unit.hooks_fired >= unit.num_grad_params:
             self.post_backward(unit)
 
+    # [Note: flags are read late]
+    # ``set_requires_gradient_sync`` / ``set_reshard_after_backward`` / the manual-finalization
+    # flag only set attributes. The post-backward hook reads a unit's flags when it runs, and
+    # ``finalize_backward`` reads them when it is called. Nothing ever overrides a flag
+    # temporarily: a finalize that forced sync on and restored it afterwards would reduce
+    # units the caller deliberately left accumulating, and its effect would depend on state
+    # the caller cannot see. Following the flags makes ``finalize_backward`` predictable:
+    # it reduces exactly what the current flags say is owed.
     def post_backward(self, unit: Unit) -> None:
         """Reshard per flag, then reduce now (sync) or accumulate locally (no sync)."""
         if unit.post_backward_done:
@@ -286,6 +258,17 @@ class RootRuntime:
         elif grads is not None:
             unit.accumulate(grads)
 
+    # [Note: bounded in-flight reductions]
+    # Each in-flight reduce-scatter keeps its (W, S) input alive until it is waited (gloo
+    # even clones it internally). Unbounded, one backward would hold an input per unit, the
+    # whole unsharded gradient of the model. ``max_inflight_reductions`` (default 1, as
+    # FSDP2) bounds them: issuing one more first waits the oldest, so each reduce-scatter
+    # still overlaps the next unit's backward for the price of one extra buffer. The
+    # oldest is retired before the next input is even built, so two inputs are never alive
+    # together. 0 waits each at once (no overlap, least memory). The one buffer is the
+    # whole memory price of the overlap: during the next unit's backward this runtime holds
+    # what FSDP2 holds (FSDP2 on CPU waits each reduce-scatter at once) plus one in-flight
+    # input and the backend's staging of it.
     def make_room(self) -> None:
         """Retire the oldest reductions until one more fits under the bound."""
         while self.inflight and len(self.inflight) >= self.max_inflight_reductions:
@@ -318,10 +301,24 @@ class RootRuntime:
         self.peak_inflight_reduce_bytes = max(
             self.peak_inflight_reduce_bytes, sum(pr.input_bytes for pr in self.inflight)
         )
-        # See [Note: stale unsharded copies].
+        # [Note: stale unsharded copies]
+        # ``reshard_after_backward=False`` is honoured after a syncing reduction: the unit stays
+        # unsharded, as the flag says. Its unsharded parameters then predate the optimizer step
+        # that will apply these gradients, so the unit is marked stale and its next forward
+        # re-gathers the (updated) shards instead of computing with old values. Resharding
+        # regardless would be cheaper to reason about but would override a flag the caller set
+        # (see [Note: flags are read late]). In no-sync accumulation nothing is reduced, the
+        # optimizer does not step, and nothing goes stale.
         if unit.state is not ShardedState.SHARDED:
             unit.stale = True
 
+    # [Note: HSDP partial reductions]
+    # ``set_requires_all_reduce(False)`` (HSDP only) keeps the reduce-scatter over the
+    # shard group but skips the all-reduce over replicas: the shard-averaged output is
+    # added into the unit's ``partial_reduce`` and nothing is written to ``.grad``. The
+    # next reduction with the flag on adds the partial sum before its all-reduce (or
+    # ``finalize_backward`` all-reduces it alone), so replicas exchange one all-reduce
+    # per accumulation window instead of one per microbatch; the average is the same.
     def retire(self, pr: PendingReduction) -> None:
         pr.rs_work.wait()
         pr.input_nbytes = 0
@@ -404,8 +401,14 @@ class RootRuntime:
                     if info.requires_grad and info.sharded is not None
                 )
 
+    # [Note: one wait-and-cleanup path]
+    # The automatic end-of-backward callback and the public ``finalize_backward`` both end
+    # in ``RootRuntime.wait_and_cleanup``: wait reduce-scatters in issue order, issue and wait
+    # the HSDP all-reduces, write the sharded ``.grad`` of each unit, and pop each unit only
+    # after its write-back succeeded. A cleanup exception therefore leaves the remaining
+    # units queued, and a retry completes each exactly once.
     def wait_and_cleanup(self) -> None:
-        """See [Note: one wait-and-cleanup path]."""
+        """Wait every reduction and write the gradients back, oldest unit first."""
         while self.inflight:
             self.retire(self.inflight.popleft())
         for pr in self.retired:
