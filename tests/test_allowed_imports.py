@@ -84,6 +84,7 @@ ROOMS: dict[str, set[str]] = {
     "comm.py": {"errors.py", "_exchange.py"},
     "_timing.py": {"_autograd.py", "comm.py"},
     "_pending_grad.py": {"errors.py"},
+    "_overlap_optimizer.py": {"errors.py"},
     "_torch_timing.py": {"errors.py", "_autograd.py", "_timing.py", "comm.py"},
     "topology.py": {"errors.py"},
     "_dist_init.py": {"errors.py", "topology.py"},
@@ -104,7 +105,8 @@ ROOMS: dict[str, set[str]] = {
     },
     # The wrappers never import each other, but for the meta-device helpers that
     # fully_shard's module keeps and DataParallel's conversion checks reuse.
-    "data_parallel/": _FOUNDATION_FOR_WRAPPERS | {"fsdp/_materialize.py"},
+    # _overlap_optimizer.py: the optimizer stepped bucket by bucket (fully_shard's later).
+    "data_parallel/": _FOUNDATION_FOR_WRAPPERS | {"fsdp/_materialize.py", "_overlap_optimizer.py"},
     "fsdp/": set(_FOUNDATION_FOR_WRAPPERS),
     "precompile/": {
         "__init__.py",  # cadence.__version__, a field of the cache key

@@ -75,6 +75,7 @@ class _Window:
     used_map: torch.Tensor | None = None
     learning: bool = False  # static_graph's first synced iteration
     fast: bool = False  # see [Note: the hook's fast path]
+    written: set[int] = field(default_factory=set)  # buckets written back one by one
 
 
 class FutureWork:
@@ -162,6 +163,9 @@ class Reducer:
         # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
         self.grad_guard = GradGuard("DataParallel")
         self.split_part: str | None = None  # see [Note: split backward parts] in _timing.py
+        # Called with a bucket's index once its reduced gradients are in .grad (see
+        # [Note: stepping buckets as they complete]); None: one write-back at the end.
+        self.on_bucket_reduced: Callable[[int], None] | None = None
         # Says what happened to the named parameters when their gradients go wrong (see
         # [Note: module methods after wrapping] in _replica.py); "" if it cannot tell.
         self.explain: Callable[[list[str]], str] = lambda names: ""
@@ -475,7 +479,7 @@ class Reducer:
         self.grad_guard.restore()  # launching the remaining buckets reads the local grads
         missing = self._flush()
         handle = ReductionHandle(
-            [x for x in w.works if x is not None]
+            self._bucket_works(w, missing)
             + ([w.used_map_work] if w.used_map_work is not None else []),
             on_complete=lambda: self._complete(w, missing),
             label="DataParallel gradients",
@@ -506,29 +510,66 @@ class Reducer:
             self._launch_used_map()
         return missing
 
+    def _bucket_works(self, w: _Window, missing: list[str]) -> list[CommWork]:
+        """The handle's works; each also writes back and reports its bucket when stepping.
+
+        [Note: stepping buckets as they complete]
+        With ``on_bucket_reduced`` set (``DataParallel.overlap_optimizer``), waiting
+        bucket b's all-reduce is followed at once by its write-back and the report,
+        which steps its parameters, before bucket b+1 is waited: the step of b runs on
+        the waiting thread while b+1.. are still reducing. Not per bucket, but after
+        every bucket, with ``find_unused_parameters`` (which parameters no rank used is
+        known only from the used map, reduced last); never when a parameter got no
+        gradient (the finalize raises, and nothing is stepped).
+        """
+        works = [x for x in w.works if x is not None]
+        if self.on_bucket_reduced is None or missing or self.find_unused:
+            return works
+        return [
+            CommWork(x, after=lambda b=b: self._bucket_reduced(w, b))
+            for b, x in enumerate(w.works)
+            if x is not None
+        ]
+
+    def _bucket_reduced(self, w: _Window, b: int) -> None:
+        bucket = self.buckets[b]
+        self.grad_guard.restore(bucket.params)
+        self._write_back(bucket, set())
+        w.written.add(b)
+        if self.on_bucket_reduced is not None:
+            self.on_bucket_reduced(b)
+
+    def _write_back(self, bucket: Bucket, globally_unused: set[int]) -> None:
+        if self.bucket_view:  # with bucket views .grad is the view: nothing to copy
+            return
+        dst, src = [], []
+        for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
+            if i in globally_unused:
+                continue  # as torch DDP: a param no rank used keeps its .grad
+            if p.grad is None:
+                p.grad = view.to(p.dtype).clone()
+            elif p.grad is view:
+                continue  # adopted at launch: the reduced values are already there
+            else:
+                dst.append(p.grad)
+                src.append(view)
+        if dst:
+            torch._foreach_copy_(dst, src)  # one fused write-back per bucket
+
     def _complete(self, w: _Window, missing: list[str]) -> None:
         self.grad_guard.restore()
         globally_unused: set[int] = set()
         if w.used_map is not None:
             self.last_used_map = w.used_map
             globally_unused = {i for i, n in enumerate(w.used_map.tolist()) if n == 0}
-        if not self.bucket_view:  # with bucket views .grad is the view: nothing to copy
-            for bucket in self.buckets:
-                dst, src = [], []
-                for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
-                    if i in globally_unused:
-                        continue  # as torch DDP: a param no rank used keeps its .grad
-                    if p.grad is None:
-                        p.grad = view.to(p.dtype).clone()
-                    elif p.grad is view:
-                        continue  # adopted at launch: the reduced values are already there
-                    else:
-                        dst.append(p.grad)
-                        src.append(view)
-                if dst:
-                    torch._foreach_copy_(dst, src)  # one fused write-back per bucket
+        for bucket in self.buckets:
+            if bucket.index not in w.written:
+                self._write_back(bucket, globally_unused)
         self.window = None
         self.accumulating = False
+        if self.on_bucket_reduced is not None and not missing and not w.written:
+            for b in range(len(self.buckets)):  # find_unused_parameters: after the used map
+                self.on_bucket_reduced(b)
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             why = self.explain(missing)

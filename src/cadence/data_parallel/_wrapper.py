@@ -25,6 +25,7 @@ from cadence.comm import CollectiveAlgorithms, Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
 from cadence.data_parallel._ddp_args import UNSET, resolve_ddp_args
 from cadence.data_parallel._join import JoinableDataParallel, join_forward, refuse_inside_join
+from cadence.data_parallel._overlap import OverlapOptimizer, OverlappedOptimizers
 from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
 from cadence.data_parallel._replica import Replica
 from cadence.data_parallel._sink import Sink, used_params
@@ -40,7 +41,7 @@ _ACCUMULATE_OUTSIDE_JOIN = (
 )
 
 
-class DataParallel(nn.Module, JoinableDataParallel):
+class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
     """Replicated data parallelism with caller-controlled gradient finalization.
 
     Gradients are packed into buckets (reverse registration order, a small last
@@ -199,6 +200,7 @@ class DataParallel(nn.Module, JoinableDataParallel):
             gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self._reducer.explain = self._replica.explain
+        self._overlap = OverlappedOptimizers(self._reducer, self.event_log)
         self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._reducer.on_grad_ready(i))
@@ -465,8 +467,9 @@ class DataParallel(nn.Module, JoinableDataParallel):
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> RemovableHandle:
         """Make ``optimizer.step()`` raise while reductions are pending (before it reads grads)."""
 
-        def _check(*_: Any) -> None:
-            self._reducer.check_can_start("optimizer.step()")
+        def _check(opt: Any, *_: Any) -> None:
+            if not self._overlap.owns(opt):  # an overlapped opt.step() finishes what is pending
+                self._reducer.check_can_start("optimizer.step()")
 
         return optimizer.register_step_pre_hook(_check)
 
@@ -559,6 +562,7 @@ class DataParallel(nn.Module, JoinableDataParallel):
         if torch.is_grad_enabled():
             self._reducer.check_can_start("the next forward")
             self._replica.check_unfrozen("DataParallel forward")
+            self._overlap.check_forward()
         if self._gradient_as_bucket_view:
             self._attach_bucket_views()
         if self._join_config.enable:
