@@ -154,8 +154,24 @@ class Topology:
             out.append(ranks)
         return out
 
+    # [Note: groups by split, flat in the world]
+    # ``new_group`` is collective over the whole default group: every rank calls it for
+    # every group of every axis, members or not, so a layout costs W + W/p + ... calls
+    # per rank, and on NCCL with a bound device each call is a world-wide communicator
+    # split (members split, the others post a no-colour split). Where the default
+    # group's backend can split (`_can_split`: NCCL with a bound device; gloo from torch
+    # 2.15), one ``split_group`` per axis creates all of that axis's groups at once:
+    # at most four world collectives per build, whatever W. Elsewhere (gloo on torch
+    # 2.13, where a group is made by store rendezvous and a non-member's call costs
+    # microseconds) the per-group loop stays. Either way an axis whose groups are
+    # exactly another axis's (``dp`` is ``dp_shard`` without replicas) gets that axis's
+    # group object, not a second communicator over the same ranks, and an axis spanning
+    # the whole world is the default group.
     def build(self, *, backend: str | None = None) -> ParallelGroups:
-        """Create the named groups. Collective: every rank of the default group must call it."""
+        """Create the named groups. Collective: every rank of the default group must call it.
+
+        See [Note: groups by split, flat in the world].
+        """
         if not dist.is_initialized():
             raise CadenceRuntimeError(
                 "Topology.build() needs an initialised default process group; call cadence.init() "
@@ -163,27 +179,67 @@ class Topology:
             )
         self.validate(dist.get_world_size())
         rank = dist.get_rank()
+        split = backend is None and _can_split()
+        made: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
         mine: dict[str, dist.ProcessGroup] = {}
         for dim in ("pp", "dp_replicate", "dp_shard", "dp"):
-            for ranks in self.groups_of(dim):
-                # A group of the whole world is the default group: reuse it instead of
-                # paying for another communicator.
-                if len(ranks) == dist.get_world_size():
-                    group = dist.group.WORLD
-                else:
-                    group = dist.new_group(ranks=ranks, backend=backend)
-                if rank in ranks:
-                    mine[dim] = group
+            groups = self.groups_of(dim)
+            partition = tuple(tuple(ranks) for ranks in groups)
+            if partition not in made:
+                made[partition] = _create_axis(groups, rank, dim, split, backend)
+            mine[dim] = made[partition]
+        world = dist.group.WORLD
+        assert world is not None  # initialised above
         return ParallelGroups(
             topology=self,
             rank=rank,
-            world=dist.group.WORLD,
+            world=world,
             pp=mine["pp"],
             dp_replicate=mine["dp_replicate"],
             dp_shard=mine["dp_shard"],
             dp=mine["dp"],
             device=_default_device(),
         )
+
+
+def _can_split() -> bool:
+    """Whether ``split_group`` can split the default group here (see
+    [Note: groups by split, flat in the world]): its backend says it supports splitting,
+    and torch does not refuse a split of an unbound default group (torch 2.13 does)."""
+    safe = getattr(dist.distributed_c10d, "_is_safe_to_split", None)
+    if safe is not None and not safe():
+        return False
+    world = dist.group.WORLD
+    assert world is not None
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl" and torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    try:
+        backend = world._get_backend(device)
+    except RuntimeError:  # no backend for that device
+        return False
+    return bool(getattr(backend, "supports_splitting", False)) and hasattr(dist, "split_group")
+
+
+def _create_axis(
+    groups: list[list[int]], rank: int, dim: str, split: bool, backend: str | None
+) -> dist.ProcessGroup:
+    """This rank's group of one axis whose groups are ``groups`` (every rank calls it)."""
+    if len(groups) == 1:  # the whole world: the default group, no new communicator
+        assert dist.group.WORLD is not None
+        return dist.group.WORLD
+    if split:
+        group = dist.split_group(split_ranks=groups, group_desc=f"cadence_{dim}")
+    else:
+        group = None
+        for ranks in groups:
+            created = dist.new_group(ranks=ranks, backend=backend)
+            if rank in ranks:
+                group = created
+    assert isinstance(group, dist.ProcessGroup), f"rank {rank} is in no {dim} group"
+    return group
 
 
 def _default_device(group: dist.ProcessGroup | None = None) -> torch.device:
