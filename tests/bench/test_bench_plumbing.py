@@ -121,6 +121,38 @@ def test_precompile_record(tmp_path: Path) -> None:
     assert "| precompile (precompile / jit on 2 ranks) | time to first step" in page
 
 
+def test_scale_record_chart_and_slopes(tmp_path: Path) -> None:
+    record, path, chart = run_bench("scale", tiny=True, out_dir=tmp_path)
+    assert json.loads(path.read_text()) == record
+    assert record["kind"] == "scale" and record["tiny"] is True
+    assert chart is not None and chart.read_bytes()[:4] == b"\x89PNG"
+    panels = [
+        "schedule build and proof (s) vs p·m",
+        "setup bytes per rank vs world (gloo)",
+        "init time (s) vs world (fake group)",
+        "parameter bytes per rank vs world (fake group)",
+    ]
+    assert list(record["series"]) == list(record["slopes"]) == panels
+    assert set(record["series"][panels[1]]) == {
+        "pipeline build",
+        "fully_shard init",
+        "DataParallel init",
+    }
+    assert set(record["series"][panels[2]]) == {"fully_shard", "FSDP2", "DataParallel", "DDP"}
+    # Sizes, not times: exactly 1/world sharded, and replicated parameters are flat.
+    slopes = record["slopes"][panels[3]]
+    assert slopes["fully_shard"] == pytest.approx(-1.0) == slopes["FSDP2"]
+    assert slopes["DataParallel"] == pytest.approx(0.0) == slopes["DDP"]
+    for row in record["rows"]:
+        assert {"case", "metric", "ratio", "target"} <= set(row)
+        assert row["ratio"] is None or set(row["ratio"]) == SUMMARY_KEYS
+    init = [r for r in record["rows"] if r["metric"].startswith("init time")]
+    assert len(init) == 4 and all(set(r["aa"]) == SUMMARY_KEYS for r in init)
+    page = render({"scale": dict(record, _path=str(path))}, tmp_path)
+    assert "Fitted slopes of log(y) over log(x), per panel of the chart:" in page
+    assert "DDP's backward cannot run on the fake group" in page
+
+
 def test_cli_report_and_refusal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "page.md"
     assert main(["bench", "report", "--results", str(tmp_path), "--docs", str(out)]) == 0

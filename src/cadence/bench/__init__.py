@@ -10,7 +10,11 @@
   vs `cadence.precompile` (compile once, broadcast) vs its cache
   (`cadence.bench.precompile`);
 - ``schedules``: building and proving every generator's schedule at 8..128 ranks,
-  against torch's construction of the same schedule (`cadence.bench.schedules`).
+  against torch's construction of the same schedule (`cadence.bench.schedules`);
+- ``scale``: log-log figures with fitted slopes: schedule build and proof against
+  p·m, setup bytes per rank against world size, fully_shard / FSDP2 and
+  DataParallel / DDP init time and per-rank parameter bytes at fake worlds of 64 to
+  8192 ranks (`cadence.bench.scale`).
 
 Each comparison runs in one process tree, interleaves the implementations, and
 reports median ratios with their spread, an A/A noise figure and the machine load.

@@ -11,7 +11,7 @@ from cadence.errors import CadenceValueError
 
 __all__ = ["KINDS", "format_rows", "run_bench"]
 
-KINDS = ("dp", "fsdp", "pp", "collectives", "pickle", "precompile", "schedules")
+KINDS = ("dp", "fsdp", "pp", "collectives", "pickle", "precompile", "schedules", "scale")
 _MODULES = {
     "dp": "dp",
     "fsdp": "fsdp",
@@ -20,6 +20,7 @@ _MODULES = {
     "pickle": "pickler",
     "precompile": "precompile",
     "schedules": "schedules",
+    "scale": "scale",
 }
 
 
@@ -73,6 +74,7 @@ def run_bench(
     record = module.run(quick=quick, tiny=tiny, **options)
     record["tiny"] = tiny  # a plumbing check: never shown in the docs
     path = write_record(record, out_dir)
-    # A kind whose figure is not a ratio per row (schedules: time vs size) draws its own.
+    # A kind whose figure is not a ratio per row (schedules, scale: against a size) draws
+    # its own.
     chart = getattr(module, "write_chart", write_chart)(record, path.with_suffix(".png"))
     return record, path, chart

@@ -26,6 +26,13 @@ _TITLES = {
     "pickle": "cadence.pickling vs cloudpickle",
     "precompile": "precompile vs torch.compile on every rank: time to the first step",
     "schedules": "Schedules at scale",
+    "scale": "Scale: schedules, setup bytes and wrapper init against size",
+}
+
+# What a kind's fitted slopes are of, printed above their list.
+_SLOPES = {
+    "schedules": "Fitted slopes of log(time) over log(actions):",
+    "scale": "Fitted slopes of log(y) over log(x), per panel of the chart:",
 }
 
 # What a kind's ratio does and does not mean, printed above its table.
@@ -40,6 +47,18 @@ _NOTES = {
         "times come from a noisy 2-core machine shared with other jobs: read the ratios\n"
         "and the fitted log-log slopes (1.0 = linear in actions), listed below the\n"
         "table. See [pipeline.md](pipeline.md) on what a rank computes at start-up.\n"
+    ),
+    "scale": (
+        "Four quantities against the size that should drive them, log-log, with the\n"
+        "fitted slope of each line below the table (0 = flat, -1 = 1/world, 1 = linear):\n"
+        "schedule build and proof time against p·m (a few generators, measured as in\n"
+        "`cadence bench schedules`, torch's build beside cadence's); setup bytes of the\n"
+        "busiest rank against world size on real gloo ranks (pipeline build, fully_shard\n"
+        "and DataParallel construction; torch has no equivalent log); fully_shard against\n"
+        "FSDP2 and DataParallel against DDP as rank 0 of torch's fake process group at\n"
+        "64 to 8192 ranks: init time (ratio = cadence / torch, A/A = torch / torch) and\n"
+        "parameter bytes per rank. DDP's backward cannot run on the fake group, so only\n"
+        "construction is compared.\n"
     ),
     "collectives": (
         "One collective per step through `cadence.Comm`: ratio = exchange / gloo's own,\n"
@@ -95,6 +114,7 @@ cadence bench collectives # exchange vs gloo's reduce-scatter, all-gather, all-r
 cadence bench pickle      # pickler vs cloudpickle
 cadence bench precompile  # time to the first step on 2 ranks: jit, precompile, cache
 cadence bench schedules   # build and proof of every generator, p = 8..128, vs torch
+cadence bench scale       # log-log slopes: schedules, setup bytes, init and memory vs world
 cadence bench report      # regenerate this page
 ```
 
@@ -208,7 +228,7 @@ def render(
                 f"| {_verdict(row)} | {_extra(row)} |"
             )
         if record.get("slopes"):
-            out.append("\nFitted slopes of log(time) over log(actions):\n")
+            out.append(f"\n{_SLOPES.get(kind, 'Fitted log-log slopes:')}\n")
             for name, fits in record["slopes"].items():
                 out.append(
                     f"- {name}: "

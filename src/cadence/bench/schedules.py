@@ -32,7 +32,7 @@ from typing import Any
 from cadence.bench._loop import loadavg
 from cadence.bench._record import make_record, ratio_summary
 
-__all__ = ["SIZES", "run", "slope", "write_chart"]
+__all__ = ["SIZES", "measure_cadence", "measure_torch", "run", "slope", "write_chart"]
 
 TARGET = 1.0
 SIZES = [(8, 32), (16, 64), (32, 128), (64, 256), (128, 512)]
@@ -42,7 +42,8 @@ CAP_S = 60.0  # a size is skipped once the previous one projects beyond this
 GROWTH = 4.5  # the next size has 4x the actions; allow a little over for projecting
 
 
-def _cadence(name: str, p: int, m: int) -> dict[str, float]:
+def measure_cadence(name: str, p: int, m: int) -> dict[str, float]:
+    """Seconds of cadence's build (generate + lower), channel plan and proof (verify)."""
     from cadence.pipeline.schedule import channel_plan, generate, lower, verify
 
     t0 = time.perf_counter()
@@ -60,7 +61,7 @@ def _cadence(name: str, p: int, m: int) -> dict[str, float]:
     }
 
 
-def _torch(name: str, p: int, m: int) -> dict[str, float] | str:
+def measure_torch(name: str, p: int, m: int) -> dict[str, float] | str:
     """torch's construction + lowering of the same schedule, or why there is none."""
     from unittest import mock
 
@@ -123,7 +124,7 @@ def run(*, quick: bool, tiny: bool = False, cap_s: float = CAP_S) -> dict[str, A
             if last_c * GROWTH > cap_s:
                 capped.append(f"{name} p={p} m={m}")
                 continue
-            c = _cadence(name, p, m)
+            c = measure_cadence(name, p, m)
             last_c = c["build"] + c["proof"]
             lines["build"].append([c["actions"], c["build"]])
             lines["proof"].append([c["actions"], c["proof"]])
@@ -131,7 +132,7 @@ def run(*, quick: bool, tiny: bool = False, cap_s: float = CAP_S) -> dict[str, A
             if last_t * GROWTH > cap_s:
                 t = f"skipped: projected over {cap_s:.0f} s"
             else:
-                t = _torch(name, p, m)
+                t = measure_torch(name, p, m)
             extra: dict[str, Any] = {
                 "actions": int(c["actions"]),
                 "build_s": c["build"],
