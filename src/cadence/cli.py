@@ -5,8 +5,8 @@
   channels and digest (`cadence.pipeline.schedule.show`).
 - ``cadence schedule compare``: cadence's generators against torch pipelining's,
   in cadence's simulator (`cadence.pipeline.schedule.compare`; needs torch).
-- ``cadence bench {dp,fsdp,pp,collectives,pickle,precompile,schedules,scale,report}``: cadence
-  against PyTorch's own implementations, side by side (`cadence.bench`).
+- ``cadence bench {dp,step,fsdp,pp,collectives,pickle,precompile,schedules,scale,report}``:
+  cadence against PyTorch's own implementations, side by side (`cadence.bench`).
 
 Building the parser imports no torch; a subcommand imports what it needs when it
 runs, so ``cadence schedule show`` and ``cadence --help`` work where torch is not

@@ -1,6 +1,9 @@
 """``cadence bench``: cadence against PyTorch's own implementations, side by side.
 
 - ``dp``: DataParallel vs DDP (`cadence.bench.dp`);
+- ``step``: whole training steps, cadence's overlaps (``overlap_optimizer``, sparse
+  work during the dense reduction) vs torch stepping after backward
+  (`cadence.bench.step`);
 - ``fsdp``: fully_shard vs FSDP2, step time and peak RSS growth (`cadence.bench.fsdp`);
 - ``pp``: pipeline runtime vs torch pipelining, five schedules (`cadence.bench.pp`);
 - ``collectives``: cadence's exchange collectives vs gloo's own

@@ -11,9 +11,12 @@ from cadence.errors import CadenceValueError
 
 __all__ = ["KINDS", "format_rows", "run_bench"]
 
-KINDS = ("dp", "fsdp", "pp", "collectives", "pickle", "precompile", "schedules", "scale")
+KINDS = (
+    "dp", "step", "fsdp", "pp", "collectives", "pickle", "precompile", "schedules", "scale"
+)  # fmt: skip
 _MODULES = {
     "dp": "dp",
+    "step": "step",
     "fsdp": "fsdp",
     "pp": "pp",
     "collectives": "collectives",

@@ -20,6 +20,7 @@ __all__ = ["PRIMARY_TORCH", "history", "latest_records", "render", "torch_releas
 
 _TITLES = {
     "dp": "DataParallel vs torch DDP",
+    "step": "Whole training steps: caller-owned timing vs torch",
     "fsdp": "fully_shard vs torch FSDP2",
     "pp": "pipeline runtime vs torch pipelining",
     "collectives": "cadence's exchange collectives vs gloo's own",
@@ -37,6 +38,16 @@ _SLOPES = {
 
 # What a kind's ratio does and does not mean, printed above its table.
 _NOTES = {
+    "step": (
+        "Whole steps (zero_grad, forward, backward, optimizer step), stepped interleaved in\n"
+        "the same ranks: ratio = cadence with its overlap / torch stepping after backward,\n"
+        "A/A = torch / torch. `dense_adamw`: DataParallel with `overlap_optimizer` (each\n"
+        "bucket stepped while later buckets reduce) vs DDP + `opt.step()`. `recommender`:\n"
+        "the sparse embedding's exchange and step run while the dense buckets are in\n"
+        "flight (manual finalization) vs after DDP's backward. `limit_*` is each variant's\n"
+        "step time over the same step with no communication at all (1.00 = fully hidden);\n"
+        "`cadence_sync` is cadence's wrapper stepped as torch steps.\n"
+    ),
     "schedules": (
         "Building (generate + lower) and proving (`verify`: validation + strict\n"
         "simulation) every generator's schedule at p ranks and m = 4p microbatches, in\n"
@@ -108,6 +119,7 @@ Reproduce (from the repository root):
 
 ```
 cadence bench dp          # DataParallel vs DDP, three shapes
+cadence bench step        # whole steps: overlap_optimizer, sparse work during the reduction
 cadence bench fsdp        # fully_shard vs FSDP2, prefetch x reshard_after_forward, RSS
 cadence bench pp          # five schedules, world 2 and 4
 cadence bench collectives # exchange vs gloo's reduce-scatter, all-gather, all-reduce
