@@ -105,9 +105,9 @@ ROOMS: dict[str, set[str]] = {
     },
     # The wrappers never import each other, but for the meta-device helpers that
     # fully_shard's module keeps and DataParallel's conversion checks reuse.
-    # _overlap_optimizer.py: the optimizer stepped bucket by bucket (fully_shard's later).
+    # _overlap_optimizer.py: the optimizer stepped part by part (buckets; units).
     "data_parallel/": _FOUNDATION_FOR_WRAPPERS | {"fsdp/_materialize.py", "_overlap_optimizer.py"},
-    "fsdp/": set(_FOUNDATION_FOR_WRAPPERS),
+    "fsdp/": _FOUNDATION_FOR_WRAPPERS | {"_overlap_optimizer.py"},
     "precompile/": {
         "__init__.py",  # cadence.__version__, a field of the cache key
         "errors.py",

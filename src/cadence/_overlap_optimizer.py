@@ -34,7 +34,8 @@ part stepped, and returns.
   ``opt.step()`` cannot be honoured once parts were stepped, so it is detected at
   ``opt.step()`` and raised, naming the fix: a gradient of a stepped parameter
   modified in place or replaced (``clip_grad_norm_``, a GradScaler's ``unscale_``,
-  ``zero_grad``; seen by the gradient's identity and version counter), or a
+  ``zero_grad``; seen by the gradient's identity and version counter, and for a
+  DTensor gradient, whose foreach in-place ops move no counter, by its values), or a
   hyperparameter changed (an lr set right before ``opt.step()``). Clipping by the
   global norm is offered instead (``max_grad_norm``): it needs every reduced
   gradient, so with it no part is stepped early and ``opt.step()`` clips (as
@@ -81,11 +82,50 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as integers of its width: equal bits compare equal, NaN included."""
+    if t.is_floating_point() or t.is_complex():
+        return t.view(t.dtype.to_real()).view(_INT_OF_SIZE[t.dtype.to_real().itemsize])
+    return t
+
+
+class _Used:
+    """A gradient an early step read, and how to tell it was changed afterwards.
+
+    A plain tensor's in-place changes move its version counter. A DTensor gradient
+    (fully_shard) is changed through its local tensor inside DTensor's dispatch, and a
+    foreach in-place op (``clip_grad_norm_``'s ``_foreach_mul_``, a GradScaler's
+    unscale) moves neither counter, so its local values are kept and compared: one
+    copy of the stepped gradient shards, held until ``opt.step()``.
+    """
+
+    __slots__ = ("grad", "local", "param", "version")
+
+    def __init__(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self.param = param
+        self.grad = grad
+        self.version = grad._version
+        local = getattr(grad, "_local_tensor", None)
+        self.local = _bits(local).clone() if isinstance(local, torch.Tensor) else None
+
+    def changed(self) -> bool:
+        g = self.grad
+        if self.param.grad is not g or g._version != self.version:
+            return True
+        if self.local is None:
+            return False
+        local = g._local_tensor  # type: ignore[attr-defined]
+        return local.shape != self.local.shape or not torch.equal(_bits(local), self.local)
+
+
 def _snapshot(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def check_optimizer(optimizer: Any, who: str) -> None:
+def check_optimizer(optimizer: Any, who: str, part: str = "bucket") -> None:
     """Refuse, with the reason, an optimizer whose step cannot be split into parts."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise CadenceTypeError(
@@ -96,7 +136,7 @@ def check_optimizer(optimizer: Any, who: str) -> None:
         raise CadenceValueError(
             f"{who}.overlap_optimizer() cannot step {type(optimizer).__name__} in parts: "
             f"it steps only {names} (exact classes), whose update of a parameter reads that "
-            "parameter's gradient and state alone, so stepping each bucket as its reduction "
+            f"parameter's gradient and state alone, so stepping each {part} as its reduction "
             "completes gives the same bits as one step. An optimizer that needs every "
             "gradient before any update (LBFGS and any closure-based step, anything "
             "normalizing across parameters) or is not proven per-parameter here (a subclass "
@@ -117,7 +157,8 @@ class PartialStepper:
 
     ``finish_pending`` is the owner's: called first by ``opt.step()``, it completes
     whatever reductions are pending (stepping their parts). ``max_grad_norm``: clip
-    by the global norm at ``opt.step()``; then no part is stepped early.
+    by the global norm at ``opt.step()``; then no part is stepped early. ``part`` is
+    what the owner calls a part in messages ("bucket", "unit").
     """
 
     def __init__(
@@ -128,8 +169,9 @@ class PartialStepper:
         finish_pending: Callable[[], None],
         max_grad_norm: float | None = None,
         norm_type: float = 2.0,
+        part: str = "bucket",
     ) -> None:
-        check_optimizer(optimizer, who)
+        check_optimizer(optimizer, who, part)
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise CadenceValueError(
                 f"{who}.overlap_optimizer(max_grad_norm={max_grad_norm!r}): pass a positive "
@@ -140,6 +182,7 @@ class PartialStepper:
             raw = raw.__wrapped__  # torch's hook-running wrapper: the hooks are run here
         self.optimizer = optimizer
         self.who = who
+        self.part = part
         self.max_grad_norm = max_grad_norm
         self.norm_type = norm_type
         self._raw_step: Callable[..., Any] = raw
@@ -150,7 +193,7 @@ class PartialStepper:
         self._rest: list[list[torch.Tensor]] = []  # per group: members of no part
         # Per step: what was stepped early, with the gradient it used and its version.
         self._stepped_parts: set[int] = set()
-        self._used: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._used: list[_Used] = []
         self._hparams: list[dict[str, Any]] | None = None
         self._installed: Any = None
         self._had_step_attr = False
@@ -235,7 +278,7 @@ class PartialStepper:
             for p in m:
                 g = p.grad
                 if g is not None:
-                    self._used.append((p, g, g._version))
+                    self._used.append(_Used(p, g))
 
     @property
     def mid_step(self) -> bool:
@@ -243,12 +286,12 @@ class PartialStepper:
         return bool(self._stepped_parts)
 
     def _check_untouched(self) -> None:
-        changed = [p for p, g, v in self._used if p.grad is not g or g._version != v]
+        changed = [u.param for u in self._used if u.changed()]
         if changed:
             n = len(self._stepped_parts)
             raise OverlapStepError(
                 f"{self.who}.overlap_optimizer(): the gradients of {len(changed)} parameter(s) "
-                f"were changed after their bucket was stepped ({n} bucket(s) already updated "
+                f"were changed after their {self.part} was stepped ({n} {self.part}(s) already updated "
                 "with the reduced gradients). clip_grad_norm_, a GradScaler's unscale_, or "
                 "zero_grad between backward and opt.step() cannot apply to an overlapped step: "
                 "those parameters are no longer what the plain loop would give. Fix: pass "
@@ -261,7 +304,7 @@ class PartialStepper:
                 if k not in g or not _same(g[k], v):
                     raise OverlapStepError(
                         f"{self.who}.overlap_optimizer(): param group {i}'s {k!r} changed from "
-                        f"{v!r} to {g.get(k)!r} after {len(self._stepped_parts)} bucket(s) of "
+                        f"{v!r} to {g.get(k)!r} after {len(self._stepped_parts)} {self.part}(s) of "
                         "this step were stepped with the old value. Fix: change hyperparameters "
                         "(scheduler.step(), a manual lr) after opt.step() and before the next "
                         "backward."

@@ -14,7 +14,7 @@ Its Notes, each above the code it governs: `GradientTiming`:
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -105,6 +105,10 @@ class GradientTiming(Protocol):
 
     def reset_iter_state(self) -> None:
         """Drop the state of a step that raised (on every rank)."""
+        ...
+
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> Any:
+        """Step each reduced part (bucket, unit) as it completes; ``opt.step()`` finishes."""
         ...
 
     # [Note: split backward parts]

@@ -73,7 +73,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -84,6 +84,9 @@ from cadence import _autograd
 from cadence._timing import GradientTiming, refuse_inside_backward
 from cadence.comm import CommWork, ReductionHandle
 from cadence.errors import CadenceRuntimeError, CadenceTypeError
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["gradient_timing"]
 
@@ -250,6 +253,15 @@ class _TorchTiming:
             "ZBV, DualPipeV), or use a schedule without I/W actions."
         )
 
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, **_: Any) -> Any:
+        raise CadenceRuntimeError(
+            f"overlap_optimizer() on a {self.kind}: torch's wrapper waits its reductions "
+            "inside its own backward hooks, so there is no point between one bucket's (or "
+            "unit's) wait and the next where a part could be stepped. Fix: call opt.step() "
+            "after backward, or wrap the module with cadence.DataParallel / "
+            "cadence.fully_shard, whose overlap_optimizer steps each part as it completes."
+        )
+
     def reset_iter_state(self) -> None:
         self._owed = False
         self._pending = False
@@ -378,7 +390,7 @@ class _FSDP2Timing(_TorchTiming):
         return what == "optimizer.step()"
 
     def _set_torch_manual(self, enabled: bool) -> None:
-        self.module.set_manual_backward_finalization(enabled)  # type: ignore[operator]
+        self.module.set_manual_backward_finalization(enabled)  # type: ignore[operator]  # an FSDPModule method; nn.Module.__getattr__ types it Tensor | Module
 
     def _finalize_in_torch(self, async_op: bool) -> ReductionHandle | None:
         module: Any = self.module
@@ -398,7 +410,7 @@ class _FSDP2Timing(_TorchTiming):
         return self._handle_for(result.wait)
 
     def _apply_sync(self, recurse: bool) -> None:
-        self.module.set_requires_gradient_sync(self._sync, recurse=recurse)  # type: ignore[operator]
+        self.module.set_requires_gradient_sync(self._sync, recurse=recurse)  # type: ignore[operator]  # an FSDPModule method; nn.Module.__getattr__ types it Tensor | Module
 
 
 def _ddp_has_finalization(module: nn.Module) -> bool:
@@ -410,8 +422,9 @@ def _ddp_has_finalization(module: nn.Module) -> bool:
 class _DDPTiming(_TorchTiming):
     kind = "torch DistributedDataParallel"
     cadence_twin = "cadence.DataParallel"
+    module: DistributedDataParallel  # what gradient_timing() passes
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: DistributedDataParallel) -> None:
         super().__init__(module, native=_ddp_has_finalization(module))
         # See [Note: driving torch's wrappers with the timing verbs]: the decision
         # is taken when a backward starts, except under static_graph.
@@ -459,7 +472,7 @@ class _DDPTiming(_TorchTiming):
 
     def _finalize_in_torch(self, async_op: bool) -> ReductionHandle | None:
         # Reached only with a syncing backward pending in torch's manual mode.
-        finish: Callable[[], None] = self.module.finalize_backward  # type: ignore[assignment]
+        finish: Callable[[], None] = self.module.finalize_backward
         if not async_op:
             finish()
             self._finished()
@@ -491,7 +504,7 @@ def gradient_timing(module: Any) -> GradientTiming | None:
     """
     if isinstance(module, GradientTiming):
         return module
-    cached = getattr(module, "_cadence_timing", None)
+    cached: GradientTiming | None = getattr(module, "_cadence_timing", None)
     if cached is not None:
         return cached
     from torch.distributed.fsdp import FSDPModule
@@ -499,7 +512,9 @@ def gradient_timing(module: Any) -> GradientTiming | None:
 
     adapter: _TorchTiming
     if isinstance(module, FSDPModule):
-        adapter = _FSDP2Timing(module)
+        # fully_shard gives the module a class deriving from both FSDPModule and
+        # the module's own class, so it is an nn.Module too.
+        adapter = _FSDP2Timing(cast(nn.Module, module))
     elif isinstance(module, DistributedDataParallel):
         adapter = _DDPTiming(module)
     elif isinstance(module, nn.Module) or module is None:
@@ -507,4 +522,4 @@ def gradient_timing(module: Any) -> GradientTiming | None:
     else:
         raise CadenceTypeError(f"gradient_timing() takes an nn.Module, got {type(module).__name__}")
     object.__setattr__(module, "_cadence_timing", adapter)
-    return adapter  # type: ignore[return-value]
+    return adapter

@@ -77,12 +77,12 @@ def test_pp_record(tmp_path: Path) -> None:
 def test_step_record(tmp_path: Path) -> None:
     record, path, _ = run_bench("step", tiny=True, out_dir=tmp_path)
     _check_record(record, path, "step")
-    assert [r["case"] for r in record["rows"]] == ["dense_adamw", "recommender"]
+    assert [r["case"] for r in record["rows"]] == ["dense_adamw", "fsdp_adamw", "recommender"]
     for row in record["rows"]:
         assert set(row["abs_ms"]) == {"plain", "cadence", "cadence_sync", "torch", "torch_b"}
         assert set(row["extra"]) == {"limit_cadence", "limit_cadence_sync", "limit_torch"}
         assert row["ratio"]["n"] == 2
-    assert [r["target"] for r in record["rows"]] == [0.85, 0.80]
+    assert [r["target"] for r in record["rows"]] == [0.85, 0.50, 0.80]
     page = render({"step": dict(record, _path=str(path))})
     assert "Whole training steps" in page
 

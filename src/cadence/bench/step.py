@@ -17,6 +17,10 @@ Cases:
 - ``dense_adamw``: 12 x Linear(512) with AdamW; ``cadence`` is DataParallel with
   `DataParallel.overlap_optimizer`, so each bucket's parameters are stepped while later
   buckets are still reducing; torch is DDP + ``opt.step()`` (target <= 0.85).
+- ``fsdp_adamw``: the same model sharded, one unit per block plus the root; ``cadence``
+  is fully_shard with ``overlap_optimizer`` (each unit's shards stepped once its
+  reduce-scatter is waited, later units still reducing); torch is FSDP2 +
+  ``opt.step()`` (target <= 0.50).
 - ``recommender``: an ``EmbeddingBag(sparse=True)`` outside the wrapper feeding a dense
   tower; ``cadence`` finalizes manually and runs the sparse half (its all-reduce on a
   second group and its SGD step) while the dense buckets are in flight, as
@@ -50,6 +54,9 @@ VARIANTS = ("plain", "cadence", "cadence_sync", "torch", "torch_b")
 CASES: dict[str, dict[str, Any]] = {
     "dense_adamw": {"what": "12 x [Linear(512) + GELU] + Linear(512, 1), AdamW, batch 128/rank",
                     "kind": "dense", "layers": 12, "width": 512, "batch": 128, "target": 0.85},
+    "fsdp_adamw": {"what": "12 x [Linear(512) + GELU] + Linear(512, 1), a unit per block, "
+                           "AdamW, batch 128/rank",
+                   "kind": "fsdp", "layers": 12, "width": 512, "batch": 128, "target": 0.50},
     "recommender": {"what": "EmbeddingBag(200000 x 64, sparse) + 6 x Linear(512) tower, "
                             "SGD, batch 256/rank, bags of 16",
                     "kind": "recommender", "vocab": 200_000, "dim": 64, "layers": 6,
@@ -58,6 +65,8 @@ CASES: dict[str, dict[str, Any]] = {
 TINY: dict[str, dict[str, Any]] = {
     "dense_adamw": {"what": "tiny", "kind": "dense", "layers": 2, "width": 16, "batch": 4,
                     "target": 0.85},
+    "fsdp_adamw": {"what": "tiny", "kind": "fsdp", "layers": 2, "width": 16, "batch": 4,
+                   "target": 0.50},
     "recommender": {"what": "tiny", "kind": "recommender", "vocab": 64, "dim": 4, "layers": 2,
                     "width": 16, "batch": 4, "bag": 3, "target": 0.80},
 }  # fmt: skip
@@ -100,6 +109,50 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> dict[str, Call
         "torch": _ddp(copy.deepcopy(base), device),
         "torch_b": _ddp(copy.deepcopy(base), device),
     }
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    models["cadence"].overlap_optimizer(opts["cadence"])
+
+    def step(k: str) -> None:
+        opts[k].zero_grad(set_to_none=True)
+        models[k](x).float().pow(2).mean().backward()
+        opts[k].step()
+
+    return {k: (lambda k=k: step(k)) for k in VARIANTS}
+
+
+def _sharded(impl: str, base: Any, device: str) -> Any:
+    """``base`` with one unit per Linear block and the root, by cadence or torch FSDP2."""
+    import torch.distributed as dist
+    from torch import nn
+
+    model = copy.deepcopy(base)
+    blocks = [m for m in model if isinstance(m, nn.Linear)][:-1]
+    if impl == "cadence":
+        from cadence.fsdp import fully_shard
+
+        for b in blocks:
+            fully_shard(b)
+        return fully_shard(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
+    for b in blocks:
+        torch_fully_shard(b, mesh=mesh)
+    return torch_fully_shard(model, mesh=mesh)
+
+
+def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> dict[str, Callable[[], None]]:
+    """One closure per variant: zero_grad, forward, backward, AdamW step, sharded."""
+    import torch
+
+    torch.manual_seed(0)
+    base = _tower(spec["layers"] - 1, spec["width"], spec["width"]).to(device)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(spec["batch"], spec["width"], generator=g).to(device)
+    models = {"plain": copy.deepcopy(base)}
+    for k in VARIANTS[1:]:
+        models[k] = _sharded("cadence" if k.startswith("cadence") else "torch", base, device)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     models["cadence"].overlap_optimizer(opts["cadence"])
 
@@ -167,7 +220,7 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[
     rank, device = dist.get_rank(), rank_device()
     out: dict[str, Any] = {}
     for name, spec in cases.items():
-        build = _dense_steps if spec["kind"] == "dense" else _recommender_steps
+        build = {"dense": _dense_steps, "fsdp": _fsdp_steps}.get(spec["kind"], _recommender_steps)
         steps = build(spec, rank, device)
         out[name] = interleave(steps, warmup=warmup, reps=reps)
         del steps

@@ -25,6 +25,7 @@ from cadence.fsdp._api import (
     to_mp_policy,
 )
 from cadence.fsdp._materialize import check_meta_consistent, conversion_name, conversion_target
+from cadence.fsdp._overlap import OverlapOptimizer
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
 from cadence.fsdp._root_runtime import RootRuntime
 from cadence.fsdp._unit import ShardedState, Unit
@@ -100,7 +101,7 @@ class UnshardHandle:
         self._runtime.note_unsharded()
 
 
-class FullyShardedModule(nn.Module):
+class FullyShardedModule(nn.Module, OverlapOptimizer):
     """Mixed into the class of every module passed to `fully_shard` (first in the MRO)."""
 
     _cadence_unit: Unit
@@ -239,7 +240,9 @@ class FullyShardedModule(nn.Module):
         """
         runtime = self._runtime
 
-        def _check(*_: Any) -> None:
+        def _check(opt: Any, *_: Any) -> None:
+            if runtime.overlap is not None and runtime.overlap.owns(opt):
+                return  # an overlapped opt.step() finishes what is pending itself
             runtime.check_no_pending_handle("optimizer.step()")
             if not _autograd.in_backward():  # inside, the backward is simply running
                 runtime.check_backward_finished("optimizer.step()")

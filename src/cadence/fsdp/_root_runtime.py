@@ -9,6 +9,8 @@ Its Notes, each above the code it governs:
   [Note: stale unsharded copies];
 - ``retire``: [Note: HSDP partial reductions];
 - ``wait_and_cleanup``: [Note: one wait-and-cleanup path].
+
+The overlapped optimizer that steps units from that path lives in ``_overlap.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -26,6 +28,20 @@ from cadence._pending_grad import GradGuard
 from cadence.comm import Comm, CommWork, EventLog, ReductionHandle
 from cadence.fsdp._api import FullyShardError
 from cadence.fsdp._unit import PendingReduction, ShardedState, Unit
+
+
+class OverlapHooks(Protocol):
+    """What the runtime calls on ``overlap_optimizer``'s steppers (``_overlap.py``)."""
+
+    @property
+    def steps_early(self) -> bool: ...
+
+    def on_unit_written(self, unit: Unit) -> None: ...
+
+    def check_forward(self) -> None: ...
+
+    def owns(self, optimizer: Any) -> bool: ...
+
 
 __all__ = ["RootRuntime", "TrainingState"]
 
@@ -78,6 +94,10 @@ class RootRuntime:
         # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
         self.grad_guard = GradGuard("fully_shard")
         self.cleanup_fault: Callable[[Unit], None] | None = None  # test hook
+        # overlap_optimizer's steppers; with one that steps early, each unit is stepped
+        # as soon as it is written (see [Note: one wait-and-cleanup path]).
+        self.overlap: OverlapHooks | None = None
+        self.event_log = event_log
         # -- accounting --
         self.peak_unsharded_bytes = 0
         self.peak_inflight_reduce_bytes = 0
@@ -142,6 +162,8 @@ class RootRuntime:
         if unit is self.root:
             self.check_no_pending_handle("forward")
             self.check_backward_finished("forward")
+            if self.overlap is not None and torch.is_grad_enabled():
+                self.overlap.check_forward()
             self.forward_order = []
             self.state = TrainingState.FORWARD
         if unit not in self.forward_order:
@@ -407,21 +429,71 @@ class RootRuntime:
     # the HSDP all-reduces, write the sharded ``.grad`` of each unit, and pop each unit only
     # after its write-back succeeded. A cleanup exception therefore leaves the remaining
     # units queued, and a retry completes each exactly once.
+    #
+    # With an optimizer that steps early (``overlap_optimizer``), the same path goes one
+    # unit at a time, oldest first: wait its reduce-scatter (issuing its all-reduce), wait
+    # its all-reduce, write it, pop it, then step its shards, and only then wait the next
+    # unit's reduce-scatter. So a unit's update runs while later units' reductions are still
+    # in flight. Without one, every reduce-scatter is waited first, so that every HSDP
+    # all-reduce is issued before the first is waited (they overlap each other). The
+    # collectives and their order are the same either way; only the waits move. A unit is
+    # stepped after its write only when no later reduction of the same unit is still queued
+    # (reductions left in flight by ``set_is_last_backward(False)`` add up in ``.grad``), and
+    # never when its reduction was held (HSDP ``set_requires_all_reduce(False)``): then
+    # ``opt.step()`` steps it. The step runs after the pop, so a retry never writes a unit
+    # twice. A handle's ``wait()`` completes units the same way (``overlapped_works``).
     def wait_and_cleanup(self) -> None:
         """Wait every reduction and write the gradients back, oldest unit first."""
-        while self.inflight:
+        if self.on_unit_written is None:
+            while self.inflight:
+                self.retire(self.inflight.popleft())
+        while self.inflight or self.retired:
+            self._complete_oldest()
+
+    @property
+    def on_unit_written(self) -> Callable[[Unit], None] | None:
+        """Called with a unit right after its final write of this step, or None."""
+        overlap = self.overlap
+        return None if overlap is None or not overlap.steps_early else overlap.on_unit_written
+
+    def _complete_oldest(self) -> None:
+        """Retire the oldest reduction if needed, wait its all-reduce, write it back."""
+        if not self.retired:
             self.retire(self.inflight.popleft())
-        for pr in self.retired:
-            if pr.ar_work is not None:
-                pr.ar_work.wait()
-        while self.retired:
-            pr = self.retired[0]
-            if self.cleanup_fault is not None:
-                self.cleanup_fault(pr.unit)
-            if not pr.held:
-                self.grad_guard.restore(info.sharded for info in pr.unit.params)
-                pr.unit.write_sharded_grads(pr.rs_output)
-            self.retired.pop(0)
+        pr = self.retired[0]
+        if pr.ar_work is not None:
+            pr.ar_work.wait()
+        if self.cleanup_fault is not None:
+            self.cleanup_fault(pr.unit)
+        if not pr.held:
+            self.grad_guard.restore(info.sharded for info in pr.unit.params)
+            pr.unit.write_sharded_grads(pr.rs_output)
+        self.retired.pop(0)
+        written = self.on_unit_written
+        if written is not None and not pr.held and not self._queued(pr.unit):
+            written(pr.unit)
+
+    def _queued(self, unit: Unit) -> bool:
+        return any(q.unit is unit for q in self.inflight) or any(
+            q.unit is unit for q in self.retired
+        )
+
+    def _complete_through(self, pr: PendingReduction) -> None:
+        while any(q is pr for q in self.inflight) or any(q is pr for q in self.retired):
+            self._complete_oldest()
+
+    def overlapped_works(self) -> list[CommWork]:
+        """A finalize handle's works: waiting one completes (and steps) its unit at once.
+
+        Without an early-stepping optimizer, the reduce-scatters themselves: the handle
+        waits them all and then writes every unit (``wait_and_cleanup``).
+        """
+        if self.on_unit_written is None:
+            return [pr.rs_work for pr in self.inflight]
+        return [
+            CommWork(pr.rs_work, after=lambda pr=pr: self._complete_through(pr))
+            for pr in self.inflight
+        ]
 
     def check_all_launched_in_backward(self) -> None:
         """See [Note: finalize inside backward] in ``cadence/_timing.py``."""
@@ -466,7 +538,7 @@ class RootRuntime:
             return ReductionHandle.completed("fully_shard") if async_op else None
         pending = list(self.inflight) + list(self.retired)
         handle = ReductionHandle(
-            [pr.rs_work for pr in self.inflight],
+            self.overlapped_works(),
             on_complete=self.wait_and_cleanup,
             keepalive=(pending,),
             label="fully_shard",
