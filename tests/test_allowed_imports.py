@@ -170,6 +170,11 @@ TORCH_FREE: dict[str, str] = {
     "train/config.py": NEVER,  # a config is validated before any rank (or torch) starts
     "train/_rules.py": NEVER,
     "train/preflight.py": NEVER,
+    "train/data/__init__.py": NEVER,
+    "train/data/stream.py": NEVER,  # --data is read and checked before any rank starts
+    "train/data/shards.py": NEVER,
+    "train/data/text.py": NEVER,
+    "train/data/corpus.py": NEVER,
     "bench/__init__.py": ON_CALL,  # ``cadence bench`` parses and lists kinds without torch
     "bench/_run.py": ON_CALL,
     "bench/_record.py": ON_CALL,

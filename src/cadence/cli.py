@@ -184,12 +184,15 @@ def _config_file_defaults(argv: list[str]) -> dict[str, Any] | None:
     known, _ = pre.parse_known_args(rest[1:])
     if known.config is None:
         return None
-    from cadence.train.config_file import read_config_file
+    from cadence.train.config_file import given_model_keys, read_config_file
 
     table = read_config_file(known.config)
     model = table.pop("model", None)
     if model is not None:
         table.update(model_base=model, d_model=model.d_model, layers=model.n_layers)
+        # A vocabulary the file names is the model's; one it leaves out follows --data.
+        if "vocab_size" in given_model_keys(known.config):
+            table.update(vocab_size=model.vocab_size)
     return table
 
 
@@ -246,6 +249,50 @@ def add_train_subcommand(
     )
     p.add_argument("--d-model", type=int, default=d.model.d_model)
     p.add_argument("--layers", type=int, default=d.model.n_layers)
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"the model's vocabulary (default: what --data needs, else {d.model.vocab_size})",
+    )
+    p.add_argument(
+        "--data",
+        default=d.data,
+        metavar="PATH",
+        help="train on stdlib (the Python standard library's source), token shards (.bin: "
+        "nanoGPT or llm.c) or text files, instead of the synthetic Markov task",
+    )
+    p.add_argument(
+        "--data-dtype",
+        default=d.data_dtype,
+        choices=["", "uint16", "uint32"],
+        help="id type of flat .bin shards (default: llm.c's header, else uint16)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=d.tokenizer,
+        metavar="FILE.json",
+        help="encode text --data with this tokenizers JSON file (default: byte-level)",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=d.val_fraction,
+        help="with --data: the last fraction of tokens held out, never trained on (0.01)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=d.eval_every,
+        metavar="K",
+        help="with --data: loss on the held-out tokens every K steps and after the last",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=d.eval_batches,
+        help="with --eval-every: batches per evaluation (default 4)",
+    )
     p.add_argument(
         "--bucket-cap-mb",
         type=float,
@@ -313,7 +360,13 @@ def add_train_subcommand(
 
 
 def _train(args: argparse.Namespace) -> int:
-    model = model_from_flags(args.model_base, args.d_model, args.layers)
+    vocab = args.vocab_size
+    if vocab is None and args.data:
+        # Reads --data (one pass over shards): the refusals of a bad path come from here.
+        from cadence.train.data.corpus import data_vocab
+
+        vocab = data_vocab(args.data, dtype=args.data_dtype, tokenizer=args.tokenizer)
+    model = model_from_flags(args.model_base, args.d_model, args.layers, vocab)
     values = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"
     }

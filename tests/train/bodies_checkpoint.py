@@ -76,6 +76,7 @@ def body_resume(
     # The RNG a step after the run would draw: equal when the streams were restored.
     return {
         "full": full["losses"],
+        "full_history": full["history"],
         "resumed": resumed["losses"],
         "history": resumed["history"],
         "on_disk": steps_on_disk,

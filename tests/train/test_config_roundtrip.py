@@ -82,3 +82,17 @@ def test_any_accepted_config_reads_back(run_dir: str, lr: float, timeout: float)
 def test_a_run_dir_toml_cannot_hold_is_refused_up_front(run_dir: str) -> None:
     with pytest.raises(TrainConfigError, match="--run-dir"):
         TrainConfig(run_dir=run_dir)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        dict(data="stdlib", eval_every=3, eval_batches=2, val_fraction=0.05),
+        dict(data="runs/\U0001f680/train.bin", data_dtype="uint32"),
+        dict(data="corpus/", tokenizer='tok "quoted".json', eval_every=1),
+    ],
+    ids=["stdlib", "shards", "text"],
+)
+def test_data_options_read_back(tmp_path: Path, data: dict) -> None:
+    cfg = TrainConfig(**data, model=GPTConfig(vocab_size=256, d_model=16, n_heads=2))
+    assert _round_trip(tmp_path, cfg) == cfg

@@ -86,7 +86,7 @@ REFUSED = [
     (dict(run_dir="a\x00b"), "--run-dir", "NUL"),
     (dict(run_dir="runs/\udcff"), "--run-dir", "\\udcff"),
     (dict(model=GPTConfig(d_model=64.0)), "--d-model", "64.0"),  # type: ignore[arg-type]
-    (dict(model=GPTConfig(vocab_size=2**25)), "vocab_size", str(2**25)),
+    (dict(model=GPTConfig(vocab_size=2**25)), "--vocab-size", str(2**25)),
     (dict(model="tiny"), "model", "'tiny'"),
 ]
 

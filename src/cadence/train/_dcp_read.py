@@ -33,7 +33,9 @@ class _CheckedFileSystem(FileSystem):
         self._files = files
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
         if mode != "rb":
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -55,7 +57,9 @@ class CheckedReader(FileSystemReader):
     checked on. Without (a checkpoint from before content hashes, vouched for by
     ``--trust-checkpoint``), DCP's plain reader."""
 
-    def __init__(self, folder: str | os.PathLike, files: dict[str, dict[str, Any]] | None) -> None:
+    def __init__(
+        self, folder: str | os.PathLike[str], files: dict[str, dict[str, Any]] | None
+    ) -> None:
         super().__init__(folder)
         if files is not None:
             # FileSystemReader opens every file through self.fs (torch 2.13 to 2.15).

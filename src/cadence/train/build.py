@@ -32,8 +32,10 @@ from cadence.pipeline.runtime.executor import PipelineRuntime
 from cadence.pipeline.schedule.generators import placement_for
 from cadence.topology import ParallelGroups, Topology
 from cadence.train.config import Layout, TrainConfig
+from cadence.train.data.corpus import corpus_of
+from cadence.train.data.windows import TokenWindows
 
-__all__ = ["UNSHARD_LOOKAHEAD", "TrainState", "build_state", "topology_for"]
+__all__ = ["UNSHARD_LOOKAHEAD", "TrainState", "build_state", "make_data", "topology_for"]
 
 # [Note: sharded pipeline stages are gathered once per step]
 # With fully_shard stages the schedule places each stage's all-gather (UNSHARD, one
@@ -58,7 +60,8 @@ class TrainState:
         runtime: pp>1: this rank's pipeline runtime; pp=1: ``None``.
         modules: what the optimizer updates: ``[model]`` or this rank's stage modules.
         optimizer: AdamW over ``modules``' parameters.
-        data: the synthetic token stream; step ``i`` reads its global batch ``i``.
+        data: the token stream (the Markov task, or ``--data``'s windows); step ``i``
+            reads its global batch ``i``.
         step: the next step to run, which is also the data position.
         event_log: every collective of the data-parallel wrappers.
         lineage: the run's lineage id, recorded in each checkpoint's manifest: a resume
@@ -72,7 +75,7 @@ class TrainState:
     runtime: PipelineRuntime | None
     modules: list[nn.Module]
     optimizer: torch.optim.Optimizer
-    data: MarkovTokens
+    data: MarkovTokens | TokenWindows
     step: int = 0
     event_log: EventLog = field(default_factory=EventLog)
     lineage: str | None = None
@@ -110,13 +113,22 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return TinyGPT.loss(logits.float(), target)
 
 
+def make_data(cfg: TrainConfig) -> MarkovTokens | TokenWindows:
+    """The Markov task, or ``--data``'s windows. Every rank reads the corpus itself
+    (memory maps: the pages are shared through the page cache); its checks ran before
+    the launch (`cadence.train.preflight`)."""
+    if not cfg.data:
+        return MarkovTokens(cfg.model.vocab_size, cfg.model.seq_len, seed=cfg.seed)
+    return TokenWindows(corpus_of(cfg), cfg.model.seq_len, seed=cfg.seed)
+
+
 def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
     """Build the model (or this rank's stages), wrappers, pipeline and optimizer."""
     layout = cfg.layout(pg.world_size)
     log = EventLog()
     torch.manual_seed(cfg.seed)
     model = TinyGPT(cfg.model)  # same init on every rank
-    data = MarkovTokens(cfg.model.vocab_size, cfg.model.seq_len, seed=cfg.seed)
+    data = make_data(cfg)
     if layout.pp == 1:
         wrapped = _wrap(model, cfg, layout, pg, log)  # pp=1 always has a wrapper
         wrapped.set_manual_backward_finalization(cfg.finalize == "manual")  # type: ignore[operator]

@@ -124,7 +124,21 @@ __all__ = [
 _STEP = re.compile(r"step-([1-9][0-9]*)")
 # The flags a checkpoint's numbers depend on: a resume under other values would
 # silently continue another run, so it is refused (see `_check_compatible`).
-_MUST_MATCH = ("batch_size", "lr", "seed", "fsdp", "mixed_precision", "pp", "model")
+_MUST_MATCH = (
+    "batch_size",
+    "lr",
+    "seed",
+    "fsdp",
+    "mixed_precision",
+    "pp",
+    "model",
+    "data",
+    "data_dtype",
+    "tokenizer",
+    "val_fraction",
+)
+# Keys a manifest written before ``--data`` lacks: it trained with their defaults.
+_ADDED_LATER = {"data": "", "data_dtype": "", "tokenizer": "", "val_fraction": None}
 
 # Refusals rank 0 raises while choosing a checkpoint, raised alike on every rank.
 _AGREED: dict[str, type[Exception]] = {
@@ -304,7 +318,7 @@ def _check_compatible(cfg: TrainConfig, state: TrainState, manifest: dict[str, A
     """Refuse, on every rank alike, a checkpoint this run cannot continue exactly."""
     saved = manifest["config"]
     now = {k: v for k, v in asdict(cfg).items() if k in _MUST_MATCH}
-    differ = [k for k in _MUST_MATCH if saved.get(k) != now[k]]
+    differ = [k for k in _MUST_MATCH if saved.get(k, _ADDED_LATER.get(k)) != now[k]]
     layout = state.layout
     for key in ("schedule", "chunks", "microbatches", "wrapper"):
         if manifest["layout"][key] != getattr(layout, key):

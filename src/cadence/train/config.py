@@ -160,6 +160,25 @@ class TrainConfig:
     """With ``resume``: the user vouches for ``run_dir``, so the checkpoint's signature
     is not checked (one written by another user or machine, or by a cadence from
     before signatures); its content hashes, where it has them, still are."""
+    data: str = ""
+    """What to train on: "" the synthetic Markov task; ``stdlib`` the Python standard
+    library's source, byte-level; a path: token shards (``.bin``: nanoGPT's flat files
+    or llm.c's with a header) or text (a file, or a folder's files), byte-level unless
+    ``tokenizer``. See `cadence.train.data`."""
+    data_dtype: Literal["", "uint16", "uint32"] = ""
+    """The id type of flat token shards; "" reads llm.c's header where a shard has one,
+    else uint16. Only with shards."""
+    tokenizer: str = ""
+    """A ``tokenizers`` JSON file that encodes text ``data``; "" is byte-level (256 ids).
+    Needs the tokenizers package."""
+    val_fraction: float | None = None
+    """The last this fraction of ``data``'s tokens is held out, never trained on; None
+    means 0.01. Only with ``data``."""
+    eval_every: int = 0
+    """Compute the loss on the held-out tokens every this many steps and after the last
+    (``metrics.json``, ``loss.png``); 0 never. Only with ``data``."""
+    eval_batches: int = 0
+    """Batches of ``batch_size`` rows per evaluation; 0 means 4. Only with ``eval_every``."""
 
     def __post_init__(self) -> None:
         err = TrainConfigError
@@ -168,6 +187,7 @@ class TrainConfig:
         problem = text_problem(self.run_dir)
         if problem:
             raise err(f"--run-dir {self.run_dir!r} {problem}")
+        self._check_data()
         _check_model(self.model)
         if self.mixed_precision != "none" and not self.fsdp:
             raise err("--mixed-precision needs --fsdp (DataParallel keeps fp32 params)")
@@ -177,6 +197,36 @@ class TrainConfig:
             )
         self._check_checkpointing()
         self.layout()  # everything that depends on the world size
+
+    def _check_data(self) -> None:
+        err = TrainConfigError
+        for flag, path in (("--data", self.data), ("--tokenizer", self.tokenizer)):
+            problem = text_problem(path)
+            if problem:
+                raise err(f"{flag} {path!r} {problem}")
+        if not self.data:
+            unused = [
+                flag
+                for flag, value in (
+                    ("--data-dtype", self.data_dtype),
+                    ("--tokenizer", self.tokenizer),
+                    ("--val-fraction", self.val_fraction is not None),
+                    ("--eval-every", self.eval_every),
+                    ("--eval-batches", self.eval_batches),
+                )
+                if value
+            ]
+            if unused:
+                raise err(
+                    f"{', '.join(unused)} need --data (stdlib, token shards or text); the "
+                    "Markov task has no held-out tokens and no files"
+                )
+        if self.eval_batches and not self.eval_every:
+            raise err("--eval-batches sets the size of each evaluation: add --eval-every K")
+        if self.data_dtype and self.tokenizer:
+            raise err(
+                "--data-dtype is for token shards and --tokenizer for text: give one of the two"
+            )
 
     def _check_checkpointing(self) -> None:
         err = TrainConfigError
@@ -307,7 +357,7 @@ class TrainConfig:
 # Fields that no ``cadence train`` flag sets: a config file's ``[train]`` key does.
 _FLAGLESS = frozenset({"timeout"})
 # The model's fields that have a flag; the others are ``[train.model]`` keys only.
-_MODEL_FLAGS = {"d_model": "--d-model", "n_layers": "--layers"}
+_MODEL_FLAGS = {"d_model": "--d-model", "n_layers": "--layers", "vocab_size": "--vocab-size"}
 
 # [Note: the bounds that are not the annotation's]
 # An upper bound is set only where a larger value fails inside the ranks: gloo
@@ -346,6 +396,9 @@ RULES: dict[str, ValueRule] = derive_rules(
     ),
     checkpoint_every=dict(low=0, note="0 saves none"),
     keep=dict(low=0, note="0 keeps all"),
+    val_fraction=dict(low=0, above=True, high=0.5, note="of the tokens; unset means 0.01"),
+    eval_every=dict(low=0, note="0 never"),
+    eval_batches=dict(low=0, note="0 means 4"),
 )
 """The rule of each `TrainConfig` field but ``model`` (whose fields have `MODEL_RULES`)."""
 
@@ -385,11 +438,17 @@ def _check_model(model: object) -> None:
         _check(option_name(f.name), MODEL_RULES[f.name], getattr(model, f.name))
 
 
-def model_from_flags(base: GPTConfig, d_model: int, n_layers: int) -> GPTConfig:
-    """``base`` with ``--d-model`` and ``--layers``, each refused by its flag's name
-    (`GPTConfig` itself names neither flag nor fix)."""
+def model_from_flags(
+    base: GPTConfig, d_model: int, n_layers: int, vocab_size: int | None = None
+) -> GPTConfig:
+    """``base`` with ``--d-model``, ``--layers`` and ``--vocab-size`` (None keeps
+    ``base``'s), each refused by its flag's name (`GPTConfig` itself names neither flag
+    nor fix)."""
     _check("--d-model", MODEL_RULES["d_model"], d_model)
     _check("--layers", MODEL_RULES["n_layers"], n_layers)
+    if vocab_size is not None:
+        _check("--vocab-size", MODEL_RULES["vocab_size"], vocab_size)
+        base = replace(base, vocab_size=vocab_size)
     heads = base.n_heads
     if d_model % heads:
         raise TrainConfigError(

@@ -39,7 +39,7 @@ from cadence.models.config import GPTConfig
 from cadence.train._rules import ValueRule, text_problem
 from cadence.train.config import MODEL_RULES, RULES, TrainConfig, TrainConfigError
 
-__all__ = ["config_to_toml", "read_config_file"]
+__all__ = ["config_to_toml", "given_model_keys", "read_config_file"]
 
 
 def _toml_loads(text: str, where: str) -> dict[str, Any]:
@@ -104,6 +104,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if "model" in table:
         values["model"] = _read_model(where, table["model"])
     return values
+
+
+def given_model_keys(path: str | Path) -> frozenset[str]:
+    """The keys ``path``'s ``[train.model]`` table names (the file already passed
+    `read_config_file`): a value the file leaves out may be set another way, e.g.
+    ``vocab_size`` by ``--data``."""
+    raw = _toml_loads(Path(path).read_bytes().decode("utf-8"), f"--config {path}")
+    model = raw.get("train", {}).get("model", {})
+    return frozenset(model) if isinstance(model, dict) else frozenset()
 
 
 def _read_model(where: str, model: object) -> GPTConfig:

@@ -22,11 +22,14 @@ class RunHistory:
         losses: the logged loss of every step so far (``losses[i - 1]`` is step ``i``).
         checkpoints: steps after which a checkpoint was written (and completed).
         resumes: steps a restart continued from (the step of the checkpoint it loaded).
+        evals: ``(step, loss)`` of every evaluation on the held-out tokens
+            (``--eval-every``), after that step.
     """
 
     losses: list[float] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)
     resumes: list[int] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -43,4 +46,6 @@ class RunHistory:
             losses=[float(x) for x in raw["losses"]],
             checkpoints=[int(x) for x in raw["checkpoints"]],
             resumes=[int(x) for x in raw["resumes"]],
+            # Absent from the checkpoints of a cadence without evaluations.
+            evals=[(int(s), float(x)) for s, x in raw.get("evals", [])],
         )

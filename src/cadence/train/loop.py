@@ -21,7 +21,18 @@ from cadence.comm import Comm, EventLog
 from cadence.errors import CadenceError
 from cadence.train.build import TrainState, loss_fn
 
-__all__ = ["CollectiveTimeoutError", "LoopResult", "run_loop", "train_step"]
+__all__ = [
+    "DEFAULT_EVAL_BATCHES",
+    "CollectiveTimeoutError",
+    "LoopResult",
+    "evaluate",
+    "run_loop",
+    "train_step",
+]
+
+# Batches per evaluation when --eval-batches is not given: enough rows that the
+# held-out loss moves less between evaluations than the curve it tracks.
+DEFAULT_EVAL_BATCHES = 4
 
 
 class CollectiveTimeoutError(CadenceError, TimeoutError):
@@ -97,21 +108,59 @@ def train_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, reduce_loss:
     return float(loss)
 
 
+def evaluate(
+    state: TrainState, batch_size: int, batches: int, reduce_loss: Callable | None = None
+) -> float:
+    """The mean loss of the model on ``batches`` held-out batches of ``--data``, the
+    same value on every rank; no gradient, no optimizer step, no change to the data
+    position. Collective: every rank calls it at the same step."""
+    data = state.data
+    if not hasattr(data, "val_batch"):
+        raise CadenceError("evaluate needs --data: the Markov task has no held-out tokens")
+    rows = state.groups.local_slice(batch_size)
+    reduce_loss = reduce_loss or _LossReducer(state)
+    total = torch.zeros(1)
+    with torch.no_grad():
+        for j in range(batches):
+            x, y = data.val_batch(j, batch_size)
+            x, y = x[rows], y[rows]
+            if state.runtime is not None:
+                losses: list[torch.Tensor] = []
+                state.runtime.eval(x, target=y, losses=losses)
+                if losses:  # the last stage's rank; the others learn it by broadcast
+                    total += state.runtime.policy.combine(losses).reshape(1).float()
+            else:
+                assert state.model is not None
+                total += loss_fn(state.model(x), y).reshape(1)
+    # One reduction for all batches: the mean of the replicas' means is the mean over
+    # the global rows, as for the training loss (see [Note: the logged loss]).
+    return float(reduce_loss(total / batches))
+
+
 def run_loop(
     state: TrainState,
     steps: int,
     batch_size: int,
     on_step: Callable[[int, float], None] | None = None,
+    *,
+    eval_every: int = 0,
+    eval_batches: int = 0,
+    on_eval: Callable[[int, float], None] | None = None,
 ) -> LoopResult:
     """Run ``steps`` steps from ``state.step``; ``on_step(step, loss)`` after each.
 
     Step ``i`` trains on global batch ``i`` of the data stream, sliced to this
     rank's data-parallel replica (`ParallelGroups.local_slice`), so the run is the
-    same whatever the layout.
+    same whatever the layout. With ``eval_every`` K, after every K-th step (counted
+    from 1) and after the last, ``on_eval(step, loss)`` gets `evaluate`'s loss over
+    ``eval_batches`` batches (0: `DEFAULT_EVAL_BATCHES`), before that step's
+    ``on_step``; ``step`` is 0-based, as for ``on_step``. Evaluations are not in the
+    step times.
     """
     rows = state.groups.local_slice(batch_size)
     reduce_loss = _LossReducer(state)
     result = LoopResult()
+    last = state.step + steps
     for _ in range(steps):
         step = state.step
         t0 = time.perf_counter()
@@ -128,6 +177,14 @@ def run_loop(
         state.event_log.mark("step_end", step=step + 1)
         result.step_times.append(time.perf_counter() - t0)
         result.losses.append(loss)
+        # Before on_step, which may checkpoint: the checkpoint of a step then holds
+        # that step's evaluation, and a resumed run's history matches an unbroken one.
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == last):
+            held_out = evaluate(
+                state, batch_size, eval_batches or DEFAULT_EVAL_BATCHES, reduce_loss
+            )
+            if on_eval is not None:
+                on_eval(step, held_out)
         if on_step is not None:
             on_step(step, loss)
     return result

@@ -3,8 +3,9 @@
 matplotlib is optional (``pip install cadence[viz]``): without it the run says so
 once and writes no pictures. Rendered with the Agg backend, so no display is needed.
 
-- ``loss.png``: every step's loss (across restarts), a dotted line at each
-  checkpoint, a red line at each step a restart continued from.
+- ``loss.png``: every step's loss (across restarts), the held-out loss of each
+  evaluation (``--eval-every``), a dotted line at each checkpoint, a red line at
+  each step a restart continued from.
 - ``timeline.png``: the last `TIMELINE_STEPS` steps of every rank on its own clock
   (each rank starts at its first shown step): the step's span (compute),
   communication in flight (issued, not yet waited: overlapped with compute) and
@@ -80,6 +81,9 @@ def _plot_loss(plt: Any, history: RunHistory, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     steps = range(1, len(history.losses) + 1)
     ax.plot(steps, history.losses, color="tab:blue", lw=1.5, label="loss")
+    if history.evals:
+        at, held_out = zip(*history.evals)
+        ax.plot(at, held_out, "o-", color="tab:orange", lw=1.5, ms=4, label="held-out loss")
     for i, s in enumerate(history.checkpoints):
         ax.axvline(s, color="grey", ls=":", lw=1, label="checkpoint" if i == 0 else None)
     for i, s in enumerate(history.resumes):

@@ -20,7 +20,8 @@ passes may still not:
   output, the residual, the MLP's hidden layer before and after GELU) plus the
   logits;
 - the data: each rank's Markov chain (two vocab x vocab float tables) and a step's
-  rows of it (global batch x vocab);
+  rows of it (global batch x vocab); with ``--data``, a step's global batch of int64
+  windows (the corpus itself is memory-mapped, or counted by the file system);
 - the ranks: 100 MiB for each rank's interpreter with torch imported (measured near
   300 MiB; 100 keeps the bound a bound).
 
@@ -44,9 +45,15 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 def preflight(cfg: TrainConfig) -> None:
     """Refuse (`TrainConfigError`) a run this machine cannot give what it needs: a
-    usable ``--run-dir``, and the memory of [Note: the memory a run needs, at least]."""
+    usable ``--run-dir``, the memory of [Note: the memory a run needs, at least], and
+    ``--data`` that exists and fits the model (`cadence.train.data.corpus`)."""
     _check_run_dir_path(cfg.run_dir)
     _check_memory(cfg)
+    if cfg.data:
+        # Imported here: numpy and the file walk only for a run that reads data.
+        from cadence.train.data.corpus import check_corpus
+
+        check_corpus(cfg, cfg.world_size)
 
 
 def _check_run_dir_path(run_dir: str) -> None:
@@ -97,7 +104,10 @@ def memory_needed(cfg: TrainConfig, *, local_ranks: int, world: int) -> dict[str
     model = max(4 * params * local_ranks, 16 * params * copies * local_ranks // world)
     rows = cfg.batch_size // layout.microbatches  # one microbatch, over all replicas
     activations = 4 * rows * seq * (layers * (7 + 2 * ratio) * d + vocab) * local_ranks // world
-    data = local_ranks * 4 * (2 * vocab * vocab + cfg.batch_size * vocab)
+    if cfg.data:
+        data = local_ranks * 8 * cfg.batch_size * (seq + 1)
+    else:
+        data = local_ranks * 4 * (2 * vocab * vocab + cfg.batch_size * vocab)
     return {
         "the model": model,
         "activations": activations,
@@ -129,7 +139,7 @@ def _check_memory(cfg: TrainConfig) -> None:
         "the model": f"--d-model {m.d_model}, --layers {m.n_layers}",
         "activations": f"--batch-size {cfg.batch_size}, --d-model {m.d_model}, "
         f"--layers {m.n_layers}",
-        "the data": f"[train.model] vocab_size {m.vocab_size}, --batch-size {cfg.batch_size}",
+        "the data": f"--vocab-size {m.vocab_size}, --batch-size {cfg.batch_size}",
         "the ranks": f"{local} ranks here, {ranks_from}",
     }
     parts = sorted(need, key=need.__getitem__, reverse=True)

@@ -63,6 +63,7 @@ def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[
     tokens_per_step = cfg.batch_size * cfg.model.seq_len
     step_s = result["step_time_median_s"]
     mode = "pipeline" if layout.pp > 1 else layout.wrapper
+    evals = result.get("evals") or []
     return {
         "mode": mode,
         "wrapper": layout.wrapper,
@@ -75,6 +76,8 @@ def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[
         "step_time_median_ms": step_s * 1e3,
         "comm_exposed_ms_total": result["comm_exposed_s"] * 1e3,
         "comm_hidden_ms_total": result["comm_hidden_s"] * 1e3,
+        # The held-out loss of the last evaluation (--eval-every); None without.
+        "last_eval_loss": evals[-1][1] if evals else None,
     }
 
 
@@ -96,6 +99,11 @@ def print_table(
         ("steps", summary["steps"]),
         ("first loss", f"{summary['first_loss']:.4f}"),
         ("last loss", f"{summary['last_loss']:.4f}"),
+        *(
+            [("held-out loss", f"{summary['last_eval_loss']:.4f}")]
+            if summary.get("last_eval_loss") is not None
+            else []
+        ),
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
         ("median step", f"{summary['step_time_median_ms']:.1f} ms"),
         ("comm exposed (total)", _ms(summary["comm_exposed_ms_total"])),
@@ -123,7 +131,8 @@ def write_metrics(
     cfg: TrainConfig, summary: dict[str, Any], result: dict[str, Any], run_dir: Path
 ) -> Path:
     """``run_dir/metrics.json``: config, summary, every step's loss (from step 1, across
-    restarts), the steps checkpointed and resumed from, collectives, pipeline facts,
+    restarts), the held-out losses, the steps checkpointed and resumed from,
+    collectives, pipeline facts,
     and what the timeline picture keeps of each rank (``timeline_bounds``)."""
     metrics = {
         "config": asdict(cfg),
@@ -131,6 +140,8 @@ def write_metrics(
         "losses": result["losses"],
         "checkpoints": result["history"].checkpoints,
         "resumes": result["history"].resumes,
+        # [step, loss] of each evaluation on the held-out tokens (--eval-every).
+        "evals": [list(e) for e in result["history"].evals],
         "collectives_rank0": result["collectives"],
     }
     for key in ("pipeline", "precompile", "timeline_bounds"):

@@ -59,6 +59,14 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     layout = cfg.layout()
     pg = init(topology_for(layout), timeout=cfg.collective_timeout)
     state = build_state(cfg, pg)
+    if cfg.data and pg.rank == 0:
+        corpus = state.data.corpus  # type: ignore[union-attr]
+        print(
+            f"cadence train: data: {corpus.what}: {len(corpus.train):,} training tokens, "
+            f"{len(corpus.val):,} held out",
+            file=sys.stderr,
+            flush=True,
+        )
     history = RunHistory()
     if cfg.resume:
         history, note = load_checkpoint(cfg, state)
@@ -83,7 +91,22 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         if saver is not None:
             saver.after_step(history)
 
-    result = run_loop(state, max(0, cfg.steps - state.step), cfg.batch_size, on_step)
+    def on_eval(step: int, loss: float) -> None:
+        history.evals.append((step + 1, loss))
+        if pg.rank == 0:
+            print(f"eval after step {step + 1}: loss {loss:.4f}", file=sys.stderr, flush=True)
+        if board is not None:
+            board.add_scalar("eval_loss", loss, step + 1)
+
+    result = run_loop(
+        state,
+        max(0, cfg.steps - state.step),
+        cfg.batch_size,
+        on_step,
+        eval_every=cfg.eval_every,
+        eval_batches=cfg.eval_batches,
+        on_eval=on_eval,
+    )
     if saver is not None:
         saver.close()
     if bar is not None:
@@ -96,6 +119,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     reduced = layout.wrapper != "none"
     out: dict[str, Any] = {
         "losses": history.losses,
+        "evals": history.evals,
         "history": history,
         "step_time_median_s": result.step_time_median_s,
         "comm_exposed_s": log.wait_time("all_reduce", "reduce_scatter")
