@@ -101,7 +101,7 @@ def _init_on_fresh_store(backend: str, timeout: timedelta, device_id: torch.devi
         host = _route_address(os.environ.get("MASTER_ADDR", "localhost"))
         listener = _listen(host)
         port = listener.getsockname()[1]
-        store = dist.TCPStore(
+        store: dist.Store = dist.TCPStore(
             host,
             port,
             world,

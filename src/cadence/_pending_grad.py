@@ -65,10 +65,16 @@ class PendingGrad(torch.Tensor):
         out._cadence_owner = owner
         return out
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # torch's documented idiom for a subclass without __torch_function__; torch
+    # annotates this C function and Tensor.__torch_function__ differently.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    # The signature torch documents for subclasses (args and kwargs defaulted);
+    # torch annotates Tensor's own, disabled one without the defaults.
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         pending = next(
             (a for a in [*args, *(kwargs or {}).values()] if isinstance(a, PendingGrad)), None
         )
@@ -102,7 +108,7 @@ def _placeholder(p: torch.Tensor, name: str, owner: str) -> torch.Tensor:
         # A DTensor around the placeholder: DTensor refuses to mix with plain tensors,
         # and runs each op on the local tensor, which then raises the message above.
         local = PendingGrad(p._local_tensor, name, owner)
-        return DTensor(local, p._spec, requires_grad=False)  # type: ignore[call-arg]
+        return DTensor(local, p._spec, requires_grad=False)
     return PendingGrad(p, name, owner)
 
 

@@ -47,7 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
+_After = Callable[[], object]  # run once a collective is done; its result is unused
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -233,7 +234,7 @@ class CommWork:
         work: Any | None,
         *,
         event: CommEvent | None = None,
-        after: Callable[[], None] | None = None,
+        after: _After | None = None,
         tensors: Sequence[torch.Tensor] = (),
     ) -> None:
         self._work = work
@@ -363,7 +364,8 @@ class Comm:
                 "cadence.Comm needs an initialised process group; call cadence.init() first "
                 "(or run under cadence.launch / torchrun)."
             )
-        self.group = group if group is not None else dist.group.WORLD
+        # WORLD is None only before init_process_group (checked above).
+        self.group = group if group is not None else cast(dist.ProcessGroup, dist.group.WORLD)
         self.event_log = event_log
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -391,7 +393,7 @@ class Comm:
             work.wait()
         return work
 
-    def _op(self, op: ReduceOpName, target: torch.Tensor) -> tuple[Any, Callable[[], None] | None]:
+    def _op(self, op: ReduceOpName, target: torch.Tensor) -> tuple[Any, _After | None]:
         if op == "avg":
             if self.native_avg:
                 return dist.ReduceOp.AVG, None
@@ -412,7 +414,7 @@ class Comm:
         torch_op, after = self._op(op, tensor)
         if torch_op == dist.ReduceOp.SUM and self._exchanges("all_reduce", tensor):
             event = self._event("all_reduce", tensor, op=op, algorithm="exchange")
-            work = exchange_all_reduce(
+            work: object = exchange_all_reduce(
                 self.group, tensor, self.rank, self.world_size, self._scratch
             )
         else:
@@ -428,6 +430,7 @@ class Comm:
                 f"all_gather_single: output has {output.numel()} elements, expected "
                 f"{input.numel()} x world {self.world_size}"
             )
+        work: object  # an ExchangeWork or torch's Work; CommWork takes either
         if self._exchanges("all_gather", output) and output.is_contiguous():
             event = self._event("all_gather", output, algorithm="exchange")
             work = exchange_all_gather(self.group, output, input, self.rank, self.world_size)
@@ -465,11 +468,11 @@ class Comm:
             )
         else:
             event = self._event("reduce_scatter", input, op=op)
-            work = dist.reduce_scatter_single(
+            torch_work = dist.reduce_scatter_single(
                 output, input, op=torch_op, group=self.group, async_op=True
             )
         return self._finish(
-            CommWork(work, event=event, after=after, tensors=(output, input)), async_op
+            CommWork(torch_work, event=event, after=after, tensors=(output, input)), async_op
         )
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, async_op: bool = False) -> CommWork:

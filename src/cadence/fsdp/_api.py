@@ -94,7 +94,10 @@ class MixedPrecisionPolicy:
                 return x.to(dtype)
             return x
 
-        return tree_map(cast, (args, kwargs))
+        cast_args: tuple[Any, ...]
+        cast_kwargs: dict[str, Any]
+        cast_args, cast_kwargs = tree_map(cast, (args, kwargs))
+        return cast_args, cast_kwargs
 
 
 def to_mp_policy(policy: Any) -> MixedPrecisionPolicy:

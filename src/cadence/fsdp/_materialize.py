@@ -155,8 +155,8 @@ def _same_values(a: torch.Tensor | None, b: torch.Tensor) -> bool:
         return False
     if a.is_meta or b.is_meta:
         return a.is_meta and b.is_meta
-    la = a._local_tensor if isinstance(a, DTensor) else a  # type: ignore[attr-defined]
-    lb = b._local_tensor if isinstance(b, DTensor) else b  # type: ignore[attr-defined]
+    la = a._local_tensor if isinstance(a, DTensor) else a
+    lb = b._local_tensor if isinstance(b, DTensor) else b
     return la.shape == lb.shape and bool(torch.equal(la, lb))
 
 
@@ -205,7 +205,7 @@ def plan_reseat(
                     f"{mesh}. Fix: redistribute it to those placements, or pass the full "
                     "tensor."
                 )
-            local = p._local_tensor  # type: ignore[attr-defined]
+            local = p._local_tensor
         else:
             start = min(rank * info.chunk_rows, info.shape[0])
             local = p.detach().narrow(0, start, info.local_rows)
@@ -277,18 +277,19 @@ def seat(
                     staged.append(src.clone())  # another slice of this shard: read it first
                 else:
                     staged.append(src)
-            for info, src in zip(params, staged):
-                if src is not None:
-                    target.narrow(0, info.offset, info.local_numel).copy_(src.reshape(-1))
+            for info, copy in zip(params, staged):
+                if copy is not None:
+                    target.narrow(0, info.offset, info.local_numel).copy_(copy.reshape(-1))
         for info, obj in zip(params, plan.objects):
             view = target.narrow(0, info.offset, info.local_numel).view(info.local_shape())
+            sharded: nn.Parameter
             if (
                 isinstance(obj, DTensor)
                 and isinstance(obj, nn.Parameter)
                 and obj.dtype == plan.dtype
                 and obj.device == view.device
             ):
-                obj._local_tensor = view  # type: ignore[attr-defined]
+                obj._local_tensor = view
                 sharded = obj
             else:
                 sharded = make_sharded_param(info, target, mesh, placements)

@@ -85,8 +85,9 @@ def collect_params(root: nn.Module, *, ignored: set[int] | None = None) -> list[
     by_id: dict[int, ParamInfo] = {}
     owned_elsewhere: dict[int, str] = {}
     for sub in root.modules():
-        if sub is not root and _is_unit(sub):
-            for p_id in sub._cadence_unit.all_param_ids():
+        unit = getattr(sub, "_cadence_unit", None)  # see _is_unit
+        if sub is not root and unit is not None:
+            for p_id in unit.all_param_ids():
                 owned_elsewhere[p_id] = type(sub).__name__
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
@@ -180,8 +181,8 @@ def _offset_free(t: DTensor) -> DTensor:
         layout=t.layout,
         requires_grad=t.requires_grad,
     )
-    out._spec = t._spec  # type: ignore[attr-defined]
-    out._local_tensor = t._local_tensor  # type: ignore[attr-defined]
+    out._spec = t._spec
+    out._local_tensor = t._local_tensor
     return out
 
 

@@ -49,6 +49,7 @@ class StreamSet:
         """
         if not self.cuda:
             return
+        stream: torch.cuda.Stream | None
         if kind is None:
             stream = torch.cuda.current_stream()
         else:

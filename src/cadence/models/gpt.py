@@ -23,7 +23,10 @@ class Embedding(nn.Module):
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         t = idx_BT.shape[1]
         pos = torch.arange(t, device=idx_BT.device)
-        return self.tok(idx_BT) + self.pos(pos)[None]
+        # nn.Module.__call__ returns Any: the annotations say what these are.
+        tok_BTD: torch.Tensor = self.tok(idx_BT)
+        pos_TD: torch.Tensor = self.pos(pos)
+        return tok_BTD + pos_TD[None]
 
 
 class Block(nn.Module):
@@ -46,7 +49,8 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x_BTD = x_BTD + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x_BTD + self.out(F.gelu(self.fc(self.ln2(x_BTD))))
+        mlp: torch.Tensor = self.out(F.gelu(self.fc(self.ln2(x_BTD))))
+        return x_BTD + mlp
 
 
 class Head(nn.Module):
@@ -56,7 +60,8 @@ class Head(nn.Module):
         self.lm = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.lm(self.ln(x_BTD))
+        logits: torch.Tensor = self.lm(self.ln(x_BTD))
+        return logits
 
 
 class TinyGPT(nn.Module):
@@ -75,7 +80,8 @@ class TinyGPT(nn.Module):
         x = self.embed(idx_BT)
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        logits: torch.Tensor = self.head(x)
+        return logits
 
     @staticmethod
     def loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:

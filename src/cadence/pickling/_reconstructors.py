@@ -154,7 +154,9 @@ def _function_setstate(func: types.FunctionType, state: dict[str, Any]) -> None:
         func.__annotations__ = state["@annotations"]
     if "@qualname" in state:
         func.__qualname__ = state["@qualname"]
-    func.__module__ = state.get("@module")
+    # None is what CPython gives a function defined where __name__ was unset;
+    # typeshed types the attribute str.
+    func.__module__ = state.get("@module")  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ def _make_skeleton_class(
     type_kwargs: dict[str, Any],
     tracker_id: str,
 ) -> type:
-    existing = _tracker.lookup(tracker_id)
+    existing: type | None = _tracker.lookup(tracker_id)
     if existing is not None:
         # Do not even build a throwaway skeleton: it would run the bases'
         # __init_subclass__ (plugin registries and the like) a second time.
@@ -181,7 +183,8 @@ def _make_skeleton_class(
         ns["__qualname__"] = qualname
 
     skeleton = types.new_class(name, bases, {"metaclass": metaclass}, body)
-    return _tracker.track(tracker_id, skeleton)
+    tracked: type = _tracker.track(tracker_id, skeleton)
+    return tracked
 
 
 def _make_skeleton_enum(
@@ -194,17 +197,20 @@ def _make_skeleton_enum(
 ) -> type:
     # Members must exist when the enum class is created (EnumMeta builds them in __new__),
     # so unlike other classes they travel with the skeleton, not the state.
-    existing = _tracker.lookup(tracker_id)
+    existing: type | None = _tracker.lookup(tracker_id)
     if existing is not None:
         return existing
     metacls = type(bases[-1])
-    classdict = metacls.__prepare__(name, bases)  # type: ignore[attr-defined]
+    classdict = metacls.__prepare__(name, bases)
     for member_name, value in members.items():
         classdict[member_name] = value
-    enum_class = metacls.__new__(metacls, name, bases, classdict)
+    # EnumMeta needs the namespace its __prepare__ made (an _EnumDict, a dict
+    # subclass); typeshed types __prepare__'s result as a MutableMapping.
+    enum_class = metacls.__new__(metacls, name, bases, classdict)  # type: ignore[call-overload]
     enum_class.__module__ = module
     enum_class.__qualname__ = qualname
-    return _tracker.track(tracker_id, enum_class)
+    tracked: type = _tracker.track(tracker_id, enum_class)
+    return tracked
 
 
 def _class_setstate(cls: type, state: tuple[dict[str, Any], list[type]]) -> type:
@@ -237,7 +243,8 @@ def _make_typevar(
     existing = _tracker.lookup(tracker_id)
     if existing is not None:
         return existing
-    tv = typing.TypeVar(
+    # The name is data from the payload; mypy only models TypeVars named by a literal.
+    tv = typing.TypeVar(  # type: ignore[misc]
         name, *constraints, bound=bound, covariant=covariant, contravariant=contravariant
     )
     return _tracker.track(tracker_id, tv)
@@ -260,6 +267,7 @@ def _make_newtype(name: str, supertype: Any, module: str, tracker_id: str) -> An
     existing = _tracker.lookup(tracker_id)
     if existing is not None:
         return existing
-    nt = typing.NewType(name, supertype)
+    # The name is data from the payload; mypy only models NewTypes named by a literal.
+    nt = typing.NewType(name, supertype)  # type: ignore[misc]
     nt.__module__ = module
     return _tracker.track(tracker_id, nt)

@@ -67,7 +67,9 @@ def _make_memoryview(buffer: Any, fmt: str, shape: tuple[int, ...], readonly: bo
     if view.ndim != 1 or view.format not in ("B", "@B"):
         view = view.cast("B")
     if fmt != "B" or shape != (view.nbytes,):
-        view = view.cast(fmt, shape)
+        # typeshed accepts only literal formats; this one is data (_castable checked
+        # it when the payload was made).
+        view = view.cast(fmt, shape)  # type: ignore[call-overload]
     return view.toreadonly() if readonly and not view.readonly else view
 
 
@@ -87,7 +89,8 @@ def _class_dict_entry(cls: type, name: str) -> Any:
 def _make_cached_property(func: Any, attrname: str | None, doc: Any) -> Any:
     prop = functools.cached_property(func)
     if attrname is not None:
-        prop.__set_name__(None, attrname)
+        # cached_property reads only the name; the owner class does not exist yet.
+        prop.__set_name__(None, attrname)  # type: ignore[arg-type]
     prop.__doc__ = doc
     return prop
 
@@ -96,7 +99,7 @@ def _make_text_file(contents: str, name: Any, position: int) -> io.StringIO:
     # A snapshot of a text file opened for reading, as cloudpickle ships one.
     f = io.StringIO(contents)
     f.seek(position)
-    f.name = name  # type: ignore[attr-defined]
+    f.name = name
     return f
 
 

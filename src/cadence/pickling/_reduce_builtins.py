@@ -70,7 +70,8 @@ def _odict_items_reduce(state: DumpState, view: Any) -> Any:
 @functools.lru_cache(maxsize=64)
 def _castable(fmt: str) -> bool:
     try:
-        memoryview(bytes(struct.calcsize(fmt))).cast(fmt)
+        # typeshed accepts only literal formats; this one is data, tried here.
+        memoryview(bytes(struct.calcsize(fmt))).cast(fmt)  # type: ignore[call-overload]
     except (ValueError, TypeError, struct.error):
         return False
     return True
@@ -127,9 +128,9 @@ def _text_file_reduce(state: DumpState, f: io.TextIOWrapper) -> Any:
             f.seek(position)
         except OSError as exc:
             why = f"it cannot be read ({exc})"
-    if why is not None:
-        raise UnpicklableError(f"cannot pickle the file {name!r}: {why}")
-    return _reconstructors_data._make_text_file, (contents, name, position)
+        else:
+            return _reconstructors_data._make_text_file, (contents, name, position)
+    raise UnpicklableError(f"cannot pickle the file {name!r}: {why}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import functools
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from cadence.pickling import _reconstructors, _reconstructors_data
@@ -104,7 +105,8 @@ def class_reduce(state: DumpState, cls: type) -> Any:
         return NotImplemented
     tid = tracker_id(cls)
     if isinstance(cls, enum.EnumMeta):
-        members = {name(k): m._value_ for k, m in cls.__members__.items()}
+        by_name: Mapping[str, enum.Enum] = cls.__members__
+        members = {name(k): m._value_ for k, m in by_name.items()}
         return (
             _reconstructors._make_skeleton_enum,
             (
@@ -201,7 +203,7 @@ def _by_name(obj: Any) -> bool:
     if not isinstance(module_name, str) or module_name == "__main__":
         return False
     module = sys.modules.get(module_name)
-    if module is None or is_registered_by_value(module_name):  # type: ignore[arg-type]
+    if module is None or is_registered_by_value(module_name):
         return False
     try:
         return getattr(module, obj.__name__, None) is obj

@@ -317,7 +317,7 @@ def _resolve(allow: Allowlist, module: str, name: str) -> Any:
     return obj
 
 
-class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[misc,name-defined]
+class RestrictedUnpickler(pickle._Unpickler):
     """An unpickler whose ``find_class`` admits only an `Allowlist`.
 
     Safe for payloads from peers you do not fully trust, to the extent that the allowed
@@ -360,7 +360,8 @@ class RestrictedUnpickler(pickle._Unpickler):  # type: ignore[misc,name-defined]
                 f"unregistered extension code {code}: the payload was made in a process "
                 "that registered it with copyreg.add_extension; register it here too"
             )
-        self.append(self.find_class(*key))
+        # pickle._Unpickler.load binds self.append (the stack's) before any opcode runs.
+        self.append(self.find_class(*key))  # type: ignore[attr-defined]
 
 
 def loads_restricted(data: bytes, allow: Allowlist, *, buffers: Iterable[Any] | None = None) -> Any:

@@ -74,6 +74,7 @@ class ChunkedReader:
         self.readline = file.readline
 
     def read(self, n: int) -> bytes:
+        data: bytes
         if n <= _CHUNK:
             data = self._read(n)
         else:
@@ -221,7 +222,7 @@ class _Dispatch(dict):  # type: ignore[type-arg]
 
 def guarded_dispatch() -> dict[int, Any]:
     """The pure-Python unpickler's dispatch table with the guarded opcodes replaced."""
-    table = _Dispatch(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    table = _Dispatch(pickle._Unpickler.dispatch)
     for opcode, load in (
         (pickle.BUILD, _load_build),
         (pickle.APPEND, _load_append),

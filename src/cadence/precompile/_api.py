@@ -432,5 +432,5 @@ def precompile_module(
         raise PrecompileUsageError(f"precompile_module: {why}.")
     with traced_forward(module, example_args, example_kwargs or {}) as (a, kw):
         compiled = precompile(types.MethodType(type(module).forward, module), a, kw, **kwargs)
-    module.forward = compiled  # type: ignore[method-assign]
+    module.forward = compiled
     return compiled

@@ -242,7 +242,8 @@ class _GuardsPickler(_ArtifactPickler):
         # no such hook. Set before the C pickler's __init__, which looks it up there.
         own_id = getattr(torch_pickler, "persistent_id", None)
         if own_id is not None:
-            self.persistent_id = own_id
+            # An instance attribute on purpose (see above); mypy sees a method there.
+            self.persistent_id = own_id  # type: ignore[method-assign]
         self._torch = torch_pickler
         super().__init__(file)
 
@@ -344,7 +345,7 @@ def _guard_pickling() -> Iterator[None]:
 
     with _SWAP_LOCK:
         saved = guards.pickle_guards_state, guards.raise_local_type_error
-        guards.pickle_guards_state = _pickle_guards_state  # type: ignore[assignment]
+        guards.pickle_guards_state = _pickle_guards_state
         guards.raise_local_type_error = _allow_local_types  # type: ignore[assignment]
         try:
             yield
@@ -450,7 +451,9 @@ def serialize(aot: Any) -> bytes:
 
 def deserialize(data: bytes) -> Any:
     aot = torch.compiler.load_compiled_function(io.BytesIO(data))
-    aot.disable_guard_check()  # `call` runs after cadence's own check; never twice
+    # `call` runs after cadence's own check; never twice. torch annotates the loaded
+    # function as a plain Callable, though it is an AOTCompiledFunction.
+    aot.disable_guard_check()  # type: ignore[attr-defined]
     return aot
 
 
@@ -568,7 +571,7 @@ def compiler_config_digest() -> str:
     h = hashlib.sha256()
     for module in (torch._dynamo.config, torch._inductor.config):
         try:
-            portable = module.save_config_portable()  # type: ignore[attr-defined]
+            portable = module.save_config_portable()
         except Exception:
             portable = {}
         h.update(_stable_repr(portable).encode())

@@ -42,7 +42,7 @@ activation transfers in the same relative order, so the FIFO pairing still holds
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,8 @@ __all__ = ["PipelineRuntime", "PipelineRuntimeError"]
 _FORWARD_KINDS = frozenset({ActionKind.F, ActionKind.UNSHARD, ActionKind.RESHARD})
 _TRANSFERS = frozenset({ActionKind.SEND, ActionKind.RECV, ActionKind.LOCAL})
 Tensors = tuple[torch.Tensor, ...]
+_Losses = list[torch.Tensor] | None  # step(losses=...): receives the microbatch losses
+_SendKey = tuple[int, int | None, Payload | None, int | None, int]  # see _send_key
 
 
 class PipelineRuntime:
@@ -165,7 +167,7 @@ class PipelineRuntime:
         # A local misuse is voted on with the plan (groups.py) rather than raised
         # here, so that the other ranks fail with it instead of hanging.
         self._sync = {s: StageGradSync(st.module) for s, st in self.stages.items()}
-        ties: tuple = ()
+        ties: tuple[tuple[tuple[int, str], ...], ...] = ()
         tie_error = None
         try:
             ties = check_ties(tied_parameters, self.num_stages)
@@ -202,7 +204,7 @@ class PipelineRuntime:
         # action's channel and payload, and the peer's rank in it.
         comms = self.channel_groups.comms(event_log)
         self._route = {
-            a: comms[(self._channel(a), a.payload)]
+            a: comms[(self._channel(a), cast(Payload, a.payload))]  # a transfer has a payload
             for a in self.actions
             if a.kind in (ActionKind.SEND, ActionKind.RECV)
         }
@@ -268,7 +270,7 @@ class PipelineRuntime:
 
     def _channel(self, a: Action) -> tuple[int, int]:
         src, dst = (a.peer_stage, a.stage) if a.kind is ActionKind.RECV else (a.stage, a.peer_stage)
-        return (self.placement[src], self.placement[dst])  # type: ignore[index]
+        return (self.placement[src], self.placement[dst])  # type: ignore[index]  # Action.__post_init__ sets a transfer's peer and payload; Optional on Action
 
     def _find_last_backwards(self) -> dict[int, int]:
         """Per local stage, the index of its last gradient-producing action (B or W)."""
@@ -285,7 +287,7 @@ class PipelineRuntime:
         self,
         *inputs: Any,
         target: torch.Tensor | None = None,
-        losses: list | None = None,
+        losses: list[torch.Tensor] | None = None,
         sync_gradients: bool = True,
     ) -> Any:
         """One training step over the whole batch (shaped like torch's ``step``).
@@ -310,7 +312,7 @@ class PipelineRuntime:
             )
         return self._run(self.actions, inputs, target, losses, backward=True, sync=sync_gradients)
 
-    def eval(self, *inputs: Any, target: torch.Tensor | None = None, losses: list | None = None):
+    def eval(self, *inputs: Any, target: torch.Tensor | None = None, losses: _Losses = None) -> Any:
         """Forward only (no graph kept, no gradients): the F actions and their transfers."""
         with torch.no_grad():
             return self._run(
@@ -319,7 +321,9 @@ class PipelineRuntime:
 
     # -- step -------------------------------------------------------------------
 
-    def _split(self, inputs: Sequence[Any], target: torch.Tensor | None):
+    def _split(
+        self, inputs: Sequence[Any], target: torch.Tensor | None
+    ) -> tuple[list[tuple[Any, ...]], list[Any]]:
         # Validate whatever this rank was given, even the inputs it does not use:
         # with the usual SPMD call (same arguments everywhere) an uneven batch then
         # fails on *every* rank here, instead of on one rank while its peers wait.
@@ -331,7 +335,16 @@ class PipelineRuntime:
             raise PipelineUsageError("step() needs target= for the loss on the last stage")
         return mbs, targets or [None] * m
 
-    def _run(self, actions: Sequence[Action], inputs, target, losses, *, backward, sync):
+    def _run(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[Any],
+        target: torch.Tensor | None,
+        losses: list[torch.Tensor] | None,
+        *,
+        backward: bool,
+        sync: bool,
+    ) -> Any:
         mbs, targets = self._split(inputs, target)
         if not self._meta_ready:
             agree_metadata(self.stages, self.placement, self.pp_rank, self._pp_comm, mbs[:1])
@@ -452,8 +465,10 @@ class PipelineRuntime:
         # See [Note: split backwards drive the same reductions] in grad_sync.py.
         sync = self._sync[a.stage]
         sync.before_backward(self._last_backward.get(a.stage) == i)
+        mb = a.mb
+        assert mb is not None
         with sync.split("weight"):
-            self.stages[a.stage].backward_weight(a.mb)
+            self.stages[a.stage].backward_weight(mb)
 
     def _overlap(self, a: Action, i: int, st: _StepState) -> None:
         # FB_OVERLAP: the sub-actions run in order (a fused kernel would go here).
@@ -474,7 +489,7 @@ class PipelineRuntime:
         stage = self.stages[a.stage]
         bufs = stage.grad_buffers() if grad else stage.input_buffers()
         works = [comm.irecv(b, peer) for b in bufs]
-        st.recvs.setdefault((a.stage, a.mb, grad), []).append((bufs, works))  # type: ignore[arg-type]
+        st.recvs.setdefault((a.stage, a.mb, grad), []).append((bufs, works))
 
     def _post_recv(
         self, actions: Sequence[Action], j: int, posted: set[int], st: _StepState
@@ -485,7 +500,7 @@ class PipelineRuntime:
 
     def _post_batch(self, run: tuple[Action, ...], st: _StepState) -> None:
         # See [Note: batched P2P]: one batch per communicator, each in action order.
-        ops: dict[int, tuple[Comm, list]] = {}
+        ops: dict[int, tuple[Comm, list[tuple[Action, list[Any]]]]] = {}
         for a in run:
             comm, peer = self._route[a]
             batch = ops.setdefault(id(comm.group), (comm, []))[1]
@@ -512,7 +527,7 @@ class PipelineRuntime:
         # placements with several consecutive stages on one rank).
         grad = a.payload is Payload.GRAD
         tensors = (st.grads if grad else st.acts).pop((a.stage, a.mb))
-        st.local[(a.peer_stage, a.mb, grad)] = tensors  # type: ignore[index]
+        st.local[(a.peer_stage, a.mb, grad)] = tensors  # type: ignore[index]  # Action.__post_init__ sets a transfer's peer and payload; Optional on Action
         self.local_handoffs += 1
         if self.event_log is not None:
             self.event_log.mark("pp_local", src=a.stage, dst=a.peer_stage, mb=a.mb, grad=grad)
@@ -564,21 +579,21 @@ def _p2p_runs(actions: Sequence[Action]) -> dict[int, tuple[Action, ...]]:
     return runs
 
 
-def _send_key(a: Action) -> tuple:
+def _send_key(a: Action) -> _SendKey:
     return (a.stage, a.peer_stage, a.payload, a.mb, a.slot)
 
 
 class _StepState:
     """Everything one step keeps between actions."""
 
-    def __init__(self, mbs: list, targets: list, backward: bool) -> None:
+    def __init__(self, mbs: list[tuple[Any, ...]], targets: list[Any], backward: bool) -> None:
         self.mbs = mbs
         self.targets = targets
         self.backward = backward
         self.acts: dict[tuple[int, int | None], Tensors] = {}
         self.grads: dict[tuple[int, int | None], Tensors] = {}
         self.local: dict[tuple[int, int | None, bool], Tensors] = {}
-        self.recvs: dict[tuple[int, int, bool], list[tuple[Tensors, list[CommWork]]]] = {}
-        self.sends: dict[tuple, list[CommWork]] = {}
+        self.recvs: dict[tuple[int, int | None, bool], list[tuple[Tensors, list[CommWork]]]] = {}
+        self.sends: dict[_SendKey, list[CommWork]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Tensors] = {}

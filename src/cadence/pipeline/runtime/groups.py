@@ -54,7 +54,7 @@ import json
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -117,7 +117,9 @@ def _group_rank(group: dist.ProcessGroup, global_rank: int, comm: Comm) -> int:
 # Cache: world group -> {(pp groups, channels, rounds, payloads, mode, backend):
 #                        {(global pair, payload): group}}.
 # Keyed weakly on the world group so a destroyed process group drops its entries.
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[
+    dist.ProcessGroup | None, dict[tuple[Any, ...], dict[Route, dist.ProcessGroup]]
+] = weakref.WeakKeyDictionary()
 
 
 def build_channel_groups(
@@ -201,7 +203,7 @@ def _known_pp_groups(
     return None
 
 
-def _settle(everyone: list[dict]) -> tuple[tuple[int, ...], ...]:
+def _settle(everyone: list[dict[str, Any]]) -> tuple[tuple[int, ...], ...]:
     """Raise the setup's `PlanMismatchError` (the same on every rank), or the pp groups.
 
     ``everyone``: each rank's details, exchanged because the vote found a difference,
@@ -320,6 +322,7 @@ def _create(
     if plan.mode == "shared":
         # One communicator for everything: the pp group itself (a baseline to compare).
         group = pp_group if pp_group is not None else dist.group.WORLD
+        assert group is not None  # WORLD is None only before init_process_group
         for pp in pp_groups:
             keep(pp, lambda pair, p: group)
         return out
@@ -334,13 +337,17 @@ def _create(
                     split_ranks=[sorted(pp) for pp in pp_groups], group_desc=f"cadence_pp_{name}"
                 )
                 if child is not None:
-                    mine[payload] = child
+                    # split_group gives the ranks of a split a ProcessGroup (the others
+                    # None or NON_GROUP_MEMBER, which torch's annotation adds).
+                    mine[payload] = cast(dist.ProcessGroup, child)
         else:
             for pp in pp_groups:
                 for _, payload in _DIRECTIONS:
-                    group = dist.new_group(ranks=sorted(pp))
+                    made = dist.new_group(ranks=sorted(pp))
                     if me in pp:
-                        mine[payload] = group
+                        # new_group gives its members a ProcessGroup (the others
+                        # NON_GROUP_MEMBER, which torch's annotation adds).
+                        mine[payload] = cast(dist.ProcessGroup, made)
         for pp in pp_groups:
             keep(pp, lambda pair, p: mine[p])
         return out
@@ -355,15 +362,17 @@ def _create(
                 for a, b in rnd:
                     pair = (pp[a], pp[b])
                     if me in pair:
-                        by_pair[pair] = child
+                        # A ProcessGroup on the ranks of the split (see above).
+                        by_pair[pair] = cast(dist.ProcessGroup, child)
     else:
         for pp in pp_groups:
             for rnd in plan.rounds:
                 for a, b in rnd:
                     pair = (pp[a], pp[b])
-                    group = dist.new_group(ranks=sorted(pair))
+                    made = dist.new_group(ranks=sorted(pair))
                     if me in pair:
-                        by_pair[pair] = group
+                        # A ProcessGroup on its members (see above).
+                        by_pair[pair] = cast(dist.ProcessGroup, made)
     for pp in pp_groups:
         keep(pp, lambda pair, p: by_pair[pair])
     return out

@@ -175,6 +175,7 @@ def backward_input(
 
             handles.append(node.register_prehook(save))
     want = [t for t in inputs if t.requires_grad]
+    dins: Grads
     try:
         if want and roots:
             dins = torch.autograd.grad(roots, want, rgrads, retain_graph=True, allow_unused=True)

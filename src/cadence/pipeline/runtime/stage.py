@@ -195,7 +195,9 @@ class PipelineStage:
 
     # -- compute ----------------------------------------------------------------
 
-    def forward(self, mb: int, inputs: Sequence[torch.Tensor], *, how: str = "input"):
+    def forward(
+        self, mb: int, inputs: Sequence[torch.Tensor], *, how: str = "input"
+    ) -> tuple[torch.Tensor, ...]:
         """F: run the chunk on microbatch ``mb``; returns the output tuple (kept for B/I)."""
         self.check_inputs(inputs, mb, how)
         if self.is_first:
@@ -217,7 +219,9 @@ class PipelineStage:
         """On the last stage: the (scaled) loss that this microbatch's backward starts from."""
         self._losses[mb] = loss
 
-    def _roots(self, mb: int, grads: Sequence[torch.Tensor] | None):
+    def _roots(
+        self, mb: int, grads: Sequence[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if self.is_last:
             if mb not in self._losses:
                 raise PipelineStateError(
@@ -230,7 +234,8 @@ class PipelineStage:
                 f"stage {self.stage_index} microbatch {mb}: no output gradient"
             )
         outs = self._outputs.pop(mb)
-        roots, rgrads = [], []
+        roots: list[torch.Tensor] = []
+        rgrads: list[torch.Tensor] = []
         for o, g in zip(outs, grads):
             if o.requires_grad:
                 roots.append(o)
@@ -249,7 +254,9 @@ class PipelineStage:
             return None
         return tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs)
 
-    def backward(self, mb: int, grads: Sequence[torch.Tensor] | None = None):
+    def backward(
+        self, mb: int, grads: Sequence[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ...] | None:
         """B: full backward of ``mb``; returns the input gradients (``None`` on stage 0)."""
         inputs = self._take_inputs(mb)
         roots, rgrads = self._roots(mb, grads)
@@ -259,7 +266,9 @@ class PipelineStage:
         del self._inputs[mb]
         return self._input_grads(inputs)
 
-    def backward_input(self, mb: int, grads: Sequence[torch.Tensor] | None = None):
+    def backward_input(
+        self, mb: int, grads: Sequence[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, ...] | None:
         """I: gradient w.r.t. the inputs only, keeping what W needs; returns input grads."""
         inputs = self._take_inputs(mb)
         roots, rgrads = self._roots(mb, grads)

@@ -23,6 +23,7 @@ would add earlier steps' gradients twice.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -104,12 +105,14 @@ class TiedParameters:
         me = dist.get_rank()
         for tie in ties:
             holders = sorted({placement[s] for s, _ in tie})
-            group = None
+            group: dist.ProcessGroup | None = None
             for pp in all_pp_groups if len(holders) > 1 else ():
                 ranks = [pp[r] for r in holders]
                 g = dist.new_group(ranks=ranks)
                 if me in ranks:
-                    group = g
+                    # new_group gives its members a ProcessGroup (the others
+                    # NON_GROUP_MEMBER, which torch's annotation adds).
+                    group = cast(dist.ProcessGroup, g)
             local = [params[c] for c in tie if c in params]
             if local:
                 comm = Comm(group, event_log=event_log, name="pp_tied") if group else None
@@ -121,8 +124,8 @@ class TiedParameters:
     def sum_grads(self) -> None:
         """Give every copy the sum of all copies' gradients (after the dp reductions)."""
         for params, comm in self._mine:
-            grads = [p.grad for p in params]
-            if any(g is None for g in grads):
+            grads = [p.grad for p in params if p.grad is not None]
+            if len(grads) < len(params):
                 raise PipelineUsageError(
                     "a tied parameter copy has no gradient after the step; every copy must "
                     "be used by its stage"

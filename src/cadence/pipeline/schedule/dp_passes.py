@@ -44,8 +44,8 @@ def add_reduce_grad(sched: Schedule) -> Schedule:
     reduction].
     """
     out = []
-    for acts in sched.ranks:
-        acts = [a for a in acts if a.kind not in _REDUCTIONS]
+    for row in sched.ranks:
+        acts = [a for a in row if a.kind not in _REDUCTIONS]
         last: dict[int, int] = {}
         for i, a in enumerate(acts):
             for c in a.compute_parts():

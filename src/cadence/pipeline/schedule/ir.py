@@ -180,7 +180,7 @@ class Action:
             return "(" + ";".join(str(a) for a in self.sub) + ")OVERLAP_F_B"
         name = self.kind.value
         if self.kind in _TRANSFER:
-            name = f"{name}_{self.payload.value}"  # type: ignore[union-attr]
+            name = f"{name}_{self.payload.value}"  # type: ignore[union-attr]  # Action.__post_init__ sets a transfer's peer and payload; Optional on Action
         text = f"{self.stage}{name}{'' if self.mb is None else self.mb}"
         # LOCAL always names its consumer; SEND/RECV only when torch's implied
         # neighbour (s+1 / s-1) is not the peer (skip connections, V turn).
@@ -226,7 +226,7 @@ class Action:
             peer_stage=d.get("peer_stage"),
             payload=Payload[d["payload"]] if d.get("payload") else None,
             slot=int(d.get("slot", 0)),
-            channel=tuple(d["channel"]) if d.get("channel") is not None else None,  # type: ignore[arg-type]
+            channel=tuple(d["channel"]) if d.get("channel") is not None else None,
             seq=d.get("seq"),
             sub=tuple(cls.from_dict(s) for s in d.get("sub", ())),
         )

@@ -24,7 +24,7 @@ from cadence.pipeline.schedule.ir import (
     ScheduleMeta,
     ScheduleValidationError,
 )
-from cadence.pipeline.schedule.validate import inputs_of, outputs_of
+from cadence.pipeline.schedule.validate import Edge, inputs_of, outputs_of
 
 __all__ = [
     "check_sizes",
@@ -102,7 +102,7 @@ def compute_times(
     n = sched.num_stages
     rows = [[a for a in acts if a.is_compute] for acts in sched.ranks]
     times: list[list[tuple[float, float]]] = [[] for _ in rows]
-    produced: dict[tuple, float] = {}
+    produced: dict[Edge, float] = {}
     free = [0.0] * len(rows)
     progress = True
     while progress:
@@ -111,9 +111,10 @@ def compute_times(
             while len(times[r]) < len(acts):
                 a = acts[len(times[r])]
                 need = [produced.get(e) for e in inputs_of(a, n)]
-                if any(t is None for t in need):
+                ready = [t for t in need if t is not None]
+                if len(ready) < len(need):
                     break
-                start = max([free[r], *need])  # type: ignore[list-item]
+                start = max([free[r], *ready])
                 free[r] = start + sum(cost[c.kind] for c in a.compute_parts())
                 times[r].append((start, free[r]))
                 for e in outputs_of(a, n):

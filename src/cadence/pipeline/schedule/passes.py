@@ -79,11 +79,13 @@ from cadence.pipeline.schedule.dp_passes import (
 from cadence.pipeline.schedule.ir import (
     Action,
     ActionKind,
+    Payload,
     Schedule,
     ScheduleValidationError,
 )
 from cadence.pipeline.schedule.orders import compute_times
 from cadence.pipeline.schedule.validate import (
+    Edge,
     inputs_of,
     outputs_of,
     validate_compute,
@@ -101,6 +103,11 @@ __all__ = [
 ]
 
 Channel = tuple[int, int]
+# A message as the fields of its SEND or RECV name it: (src stage, dst stage, payload,
+# microbatch), then the slot for a transfer. Optional as on Action, though every
+# transfer has them (Action.__post_init__).
+_Message = tuple[int | None, int | None, Payload | None, int | None]
+_TransferKey = tuple[int | None, int | None, Payload | None, int | None, int]
 
 
 # -- lowering --------------------------------------------------------------------
@@ -116,7 +123,7 @@ def add_comms(sched: Schedule) -> Schedule:
     n, place = sched.num_stages, sched.placement
     rows: list[list[Action]] = [[] for _ in sched.ranks]
     seq: Counter[tuple[int, int]] = Counter()
-    send_seq: dict[tuple, tuple[tuple[int, int], int]] = {}
+    send_seq: dict[Edge, tuple[tuple[int, int], int]] = {}
     # Pass 1: producer side. Sequence numbers follow the sender's program order.
     for r, acts in enumerate(sched.ranks):
         for a in acts:
@@ -234,13 +241,13 @@ def complete_comms(sched: Schedule) -> Schedule:
     )
     n, place = sched.num_stages, sched.placement
     seq: Counter[Channel] = Counter()
-    numbered: dict[tuple, tuple[Channel, int]] = {}
+    numbered: dict[_TransferKey, tuple[Channel, int]] = {}
     rows: list[list[Action]] = []
     for r, acts in enumerate(sched.ranks):
         row: list[Action] = []
         for a in acts:
             if a.kind is ActionKind.SEND:
-                ch = (r, place[a.peer_stage])  # type: ignore[index]
+                ch = (r, place[a.peer_stage])  # type: ignore[index]  # Action.__post_init__ sets a transfer's peer and payload; Optional on Action
                 numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)] = (ch, seq[ch])
                 a = a.linked(ch, seq[ch])
                 seq[ch] += 1
@@ -256,8 +263,9 @@ def complete_comms(sched: Schedule) -> Schedule:
         for i, a in enumerate(row):
             if a.kind is ActionKind.RECV:
                 key = (a.peer_stage, a.stage, a.payload, a.mb, a.slot)
-                ch, sq = numbered.get(key, ((place[a.peer_stage], r), None))  # type: ignore[index]
+                hit = numbered.get(key)
                 # A RECV with no SEND keeps seq None; validate_lowered names it.
+                ch, sq = hit if hit is not None else ((place[a.peer_stage], r), None)  # type: ignore[index]
                 row[i] = a.linked(ch, sq)
     return sched.with_ranks(rows, lowered=True)
 
@@ -299,16 +307,16 @@ def order_comms(sched: Schedule) -> Schedule:
     times = compute_times(
         sched, {ActionKind.F: 1, ActionKind.I: 1, ActionKind.W: 1, ActionKind.B: 2}
     )
-    ready: dict[tuple, float] = {}  # message -> the end of its producer
+    ready: dict[_Message, float] = {}  # message -> the end of its producer
     for r, acts in enumerate(sched.ranks):
         for a, (_, end) in zip((a for a in acts if a.is_compute), times[r], strict=True):
             for edge in outputs_of(a, n):
                 ready[edge] = end
 
-    def order(a: Action) -> tuple:
+    def order(a: Action) -> tuple[float, int | None, int | None, str, int | None, int]:
         src, dst = (a.peer_stage, a.stage) if a.kind is ActionKind.RECV else (a.stage, a.peer_stage)
         t = ready[(src, dst, a.payload, a.mb)]
-        return (t, src, dst, a.payload.value, a.mb, a.slot)  # type: ignore[union-attr]
+        return (t, src, dst, a.payload.value, a.mb, a.slot)  # type: ignore[union-attr]  # Action.__post_init__ sets a transfer's peer and payload; Optional on Action
 
     rows: list[list[Action]] = []
     for r, acts in enumerate(sched.ranks):
@@ -337,12 +345,12 @@ def order_comms(sched: Schedule) -> Schedule:
 def _renumber(sched: Schedule) -> Schedule:
     """Sequence numbers again, in each sender's (new) program order."""
     seq: Counter[Channel] = Counter()
-    numbered: dict[tuple, int] = {}
+    numbered: dict[_TransferKey, int] = {}
     for acts in sched.ranks:
         for a in acts:
             if a.kind is ActionKind.SEND:
-                numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)] = seq[a.channel]  # type: ignore[index]
-                seq[a.channel] += 1  # type: ignore[index]
+                numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)] = seq[a.channel]  # type: ignore[index]  # lowered: every transfer has its channel (validate_lowered); Optional on Action
+                seq[a.channel] += 1  # type: ignore[index]  # lowered: every transfer has its channel (validate_lowered); Optional on Action
     rows = [
         [
             a.linked(a.channel, numbered[(a.stage, a.peer_stage, a.payload, a.mb, a.slot)])

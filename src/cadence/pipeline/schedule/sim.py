@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from heapq import heappop, heappush
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from cadence.pipeline.schedule.ir import (
     Action,
@@ -63,7 +63,7 @@ from cadence.pipeline.schedule.sim_model import (
     TimeModel,
     _Op,
 )
-from cadence.pipeline.schedule.validate import inputs_of, outputs_of, validate_lowered
+from cadence.pipeline.schedule.validate import Edge, inputs_of, outputs_of, validate_lowered
 
 __all__ = [
     "ChannelMode",
@@ -117,10 +117,10 @@ class _Sim:
         self.queues: dict[tuple[int, Any], list[_Op]] = {}
         self.heads: dict[tuple[int, Any], tuple[int, float]] = {}
         self.matched: dict[tuple[int, int], int] = {}
-        self.avail: dict[tuple[int, tuple], float] = {}  # (rank, input key) -> time available
-        self.recv_of: dict[tuple[int, tuple], _Op] = {}
-        self.produced: dict[tuple, float] = {}
-        self.sent_by: dict[tuple, _Op] = {}
+        self.avail: dict[tuple[int, Edge], float] = {}  # (rank, input key) -> time available
+        self.recv_of: dict[tuple[int, Edge], _Op] = {}
+        self.produced: dict[Edge, float] = {}
+        self.sent_by: dict[tuple[Edge, int], _Op] = {}
         self.busy = [0.0] * self.p
         self.first = [math.inf] * self.p
         self.last = [0.0] * self.p
@@ -161,10 +161,12 @@ class _Sim:
             return a.payload
         return ch
 
-    def _key(self, a: Action) -> tuple:
+    def _key(self, a: Action) -> Edge:
         peer = a.peer_stage
         src, dst = (peer, a.stage) if a.kind is ActionKind.RECV else (a.stage, peer)
-        return (src, dst, a.payload, a.mb)
+        # Only transfers come here, and Action.__post_init__ sets a transfer's peer,
+        # payload and microbatch; they are Optional on Action for the other kinds.
+        return cast(Edge, (src, dst, a.payload, a.mb))
 
     # -- matching ---------------------------------------------------------------
 
@@ -177,8 +179,11 @@ class _Sim:
         # finished prefix (and the latest finish in it) answers in amortised O(1).
         q = (op.rank, op.group)
         queue, (head, free) = self.queues[q], self.heads.get(q, (0, 0.0))
-        while head < len(queue) and queue[head] is not op and queue[head].done is not None:
-            free = max(free, queue[head].done)  # type: ignore[type-var]
+        while head < len(queue) and queue[head] is not op:
+            done = queue[head].done
+            if done is None:
+                break
+            free = max(free, done)
             head += 1
         self.heads[q] = (head, free)
         return free if head < len(queue) and queue[head] is op else None
@@ -279,7 +284,7 @@ class _Sim:
 
     # -- stepping ---------------------------------------------------------------
 
-    def _post(self, r: int, i: int, a: Action, table: dict) -> _Op:
+    def _post(self, r: int, i: int, a: Action, table: dict[tuple[int, int], list[_Op]]) -> _Op:
         key = self._key(a)
         src_rank, dst_rank = self.s.placement[key[0]], self.s.placement[key[1]]
         ch = (src_rank, dst_rank)
@@ -319,10 +324,10 @@ class _Sim:
             self.pc[r] += 1
             return True
         if a.kind is ActionKind.WAIT_SEND:
-            op = self.sent_by.get((self._key(a), a.slot))
-            if op is None or op.done is None:
+            sent_op = self.sent_by.get((self._key(a), a.slot))
+            if sent_op is None or sent_op.done is None:
                 return False
-            self.t[r] = max(self.t[r], op.done)
+            self.t[r] = max(self.t[r], sent_op.done)
             self.pc[r] += 1
             return True
         if a.kind is ActionKind.BARRIER:
@@ -344,10 +349,10 @@ class _Sim:
                 if (r, key) in self.avail:
                     start = max(start, self.avail[(r, key)])
                     continue
-                op = self.recv_of.get((r, key))
-                if op is None or op.done is None:
+                recv_op = self.recv_of.get((r, key))
+                if recv_op is None or recv_op.done is None:
                     return False
-                start = max(start, op.done)
+                start = max(start, recv_op.done)
             dur = self._duration(a)
             end = start + dur
             self.t[r] = end
@@ -460,9 +465,10 @@ class _Sim:
 
     def _deadlock(self, unfinished: list[int], open_sends: list[_Op]) -> None:
         info = self.blocked_info()
-        cycle: list[tuple] = []
+        cycle: list[tuple[int, str, tuple[int, int], int, int | None]] = []
         for start in sorted(info):
-            path, r = [], start
+            path: list[int] = []
+            r: int | None = start
             while r is not None and r in info and r not in path:
                 path.append(r)
                 r = info[r][3]
@@ -470,9 +476,10 @@ class _Sim:
                 loop = path[path.index(r) :]
                 for x in loop:
                     i, a, op, peer, _ = info[x]
-                    cycle.append(
-                        (x, str(a), op.channel if op else None, op.pos if op else None, peer)
-                    )
+                    # Each rank of the cycle waits on a peer, and blocked_info names a
+                    # peer only together with the op it waits on.
+                    assert op is not None
+                    cycle.append((x, str(a), op.channel, op.pos, peer))
                 break
         lines = [
             "schedule deadlocks ("

@@ -115,7 +115,12 @@ class ScheduleDeadlockError(CadenceError, RuntimeError):
     """No rank can progress. ``cycle``: [(rank, action text, channel, seq, waits_on_rank)];
     ``blocked``: rank -> (index, action text, reason)."""
 
-    def __init__(self, message: str, cycle: list[tuple], blocked: dict[int, tuple]) -> None:
+    def __init__(
+        self,
+        message: str,
+        cycle: list[tuple[int, str, tuple[int, int], int, int | None]],
+        blocked: dict[int, tuple[int, str, str]],
+    ) -> None:
         super().__init__(message)
         self.cycle = cycle
         self.blocked = blocked

@@ -47,6 +47,9 @@ __all__ = [
 
 _COMM = (ActionKind.SEND, ActionKind.RECV, ActionKind.LOCAL, ActionKind.WAIT_SEND)
 Edge = tuple[int, int, Payload, int]
+# A transfer: (src stage, dst stage, payload, microbatch, slot). Action.__post_init__
+# guarantees a transfer's payload and microbatch; the fields are Optional on Action.
+TransferKey = tuple[int, int, Payload | None, int | None, int]
 
 
 def _err(msg: str) -> ScheduleValidationError:
@@ -158,11 +161,11 @@ def validate_lowered(sched: Schedule) -> None:
     validate_reductions(sched)
     validate_residency(sched)
     n = sched.num_stages
-    sends: dict[tuple, tuple[int, int, Action]] = {}
-    recvs: dict[tuple, tuple[int, int, Action]] = {}
+    sends: dict[TransferKey, tuple[int, int, Action]] = {}
+    recvs: dict[TransferKey, tuple[int, int, Action]] = {}
     for r, acts in enumerate(sched.ranks):
-        have: set[tuple] = set()  # inputs provided by an earlier RECV/LOCAL
-        produced: set[tuple] = set()
+        have: set[TransferKey] = set()  # inputs provided by an earlier RECV/LOCAL
+        produced: set[tuple[int, int, Payload | None, int | None]] = set()
         for i, a in enumerate(acts):
             if a.kind in _COMM:
                 peer = a.peer_stage
@@ -205,16 +208,17 @@ def validate_lowered(sched: Schedule) -> None:
                     recvs[key] = (r, i, a)
                     have.add(key)
             elif a.is_compute:
-                for key in inputs_of(a, n):
-                    if (*key, 0) not in have:
+                for edge in inputs_of(a, n):
+                    if (*edge, 0) not in have:
                         raise _err(
-                            f"{_where(r, i, a)}: consumes the {key[2].name.lower()} of stage {key[0]}, "
-                            f"microbatch {key[3]}, but no earlier RECV or LOCAL on rank {r} provides it"
+                            f"{_where(r, i, a)}: consumes the {edge[2].name.lower()} of stage {edge[0]}, "
+                            f"microbatch {edge[3]}, but no earlier RECV or LOCAL on rank {r} provides it"
                         )
-                    have.discard((*key, 0))
+                    have.discard((*edge, 0))
                 produced.update(outputs_of(a, n))
         for key in sorted(have, key=str):
             src, dst, payload, mb, _ = key
+            assert payload is not None  # a transfer's payload (Action.__post_init__)
             raise _err(
                 f"rank {r}: the {payload.name.lower()} of stage {src} -> {dst}, microbatch {mb} is "
                 "received or handed over but never consumed (unconsumed RECV)"

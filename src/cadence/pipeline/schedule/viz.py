@@ -69,14 +69,18 @@ def render_png(
         raise ImportError("render_png needs matplotlib: pip install matplotlib") from e
     ranks = sorted({e[0] for e in result.events})
     fig, ax = plt.subplots(figsize=(max(8.0, result.makespan * 0.35), 0.6 * len(ranks) + 1.5))
-    for r, name, s, e in result.events:
+    for r, name, s, end in result.events:
         kind = _kind(name)
         ax.broken_barh(
-            [(s, e - s)], (r - 0.4, 0.8), facecolors=COLOURS[kind], edgecolor="black", linewidth=0.4
+            [(s, end - s)],
+            (r - 0.4, 0.8),
+            facecolors=COLOURS[kind],
+            edgecolor="black",
+            linewidth=0.4,
         )
-        if e - s >= 0.3:
+        if end - s >= 0.3:
             ax.text(
-                (s + e) / 2,
+                (s + end) / 2,
                 r,
                 name.split(")")[0].lstrip("("),
                 ha="center",
