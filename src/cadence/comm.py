@@ -10,9 +10,9 @@ Why one place for the collectives:
   supported torch has: ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13
   deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in their favour).
 - Averaging has one implementation; see [Note: AVG is SUM plus a divide].
-- Every collective can be recorded in an opt-in `EventLog` (kind, bytes, group,
-  issue time, wait start, wait end). Tests and benchmarks read it to prove
-  counts, order and overlap, independently of the backend.
+- Every collective can be recorded in an opt-in `EventLog` (``_event_log.py``: kind,
+  bytes, group, issue time, wait start, wait end). Tests and benchmarks read it to
+  prove counts, order and overlap, independently of the backend.
 - Setup and teardown cost the same per rank at any world: see [Note: agreeing by digest].
 
 [Note: agreeing by digest]
@@ -44,14 +44,13 @@ import ctypes
 import hashlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 
+from cadence._event_log import CommEvent, EventLog
 from cadence._exchange import (
     CollectiveAlgorithms,
     ScratchPool,
@@ -80,139 +79,6 @@ _OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-
-
-# ---------------------------------------------------------------------------
-# Event log
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class CommEvent:
-    """One collective (or one user mark) on the log's clock (``time.perf_counter``)."""
-
-    seq: int
-    kind: str
-    group: str
-    nbytes: int
-    numel: int
-    dtype: str
-    issue_t: float
-    wait_start_t: float | None = None
-    wait_end_t: float | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def waited(self) -> bool:
-        return self.wait_end_t is not None
-
-
-class EventLog:
-    """An opt-in, thread-safe record of collectives and user marks.
-
-    Pass it to the wrappers (``event_log=``) or to a `Comm`. ``mark(name)`` records
-    a user event on the same clock, so a test can assert e.g. that an all-reduce
-    was issued before sparse work started and waited after it ended.
-    """
-
-    def __init__(self, capacity: int | None = None) -> None:
-        """``capacity``: keep only the newest N events (a long run's memory stays bounded).
-
-        ``total_counts()`` still counts every collective ever recorded.
-        """
-        if capacity is not None and capacity < 1:
-            raise CadenceValueError(f"EventLog capacity must be >= 1 or None, got {capacity}")
-        self._lock = threading.Lock()
-        self.capacity = capacity
-        self.events: deque[CommEvent] = deque(maxlen=capacity)
-        self._seq = 0
-        self._totals: dict[str, int] = {}
-
-    def _add(self, event: CommEvent) -> CommEvent:
-        with self._lock:
-            event.seq = self._seq
-            self._seq += 1
-            self.events.append(event)
-            self._totals[event.kind] = self._totals.get(event.kind, 0) + 1
-        return event
-
-    def total_counts(self) -> dict[str, int]:
-        """Counts per kind since creation (or ``clear()``), including evicted events."""
-        with self._lock:
-            return {k: v for k, v in self._totals.items() if k != "mark"}
-
-    def record(self, kind: str, group: str, tensor: torch.Tensor | None, **meta: Any) -> CommEvent:
-        numel = tensor.numel() if tensor is not None else 0
-        return self._add(
-            CommEvent(
-                seq=-1,
-                kind=kind,
-                group=group,
-                nbytes=numel * (tensor.element_size() if tensor is not None else 0),
-                numel=numel,
-                dtype=str(tensor.dtype).removeprefix("torch.") if tensor is not None else "",
-                issue_t=time.perf_counter(),
-                meta=dict(meta),
-            )
-        )
-
-    def mark(self, name: str, **meta: Any) -> CommEvent:
-        """Record a user event (kind ``"mark"``); its ``issue_t`` is now."""
-        now = time.perf_counter()
-        return self._add(CommEvent(-1, "mark", name, 0, 0, "", now, now, now, meta=dict(meta)))
-
-    def clear(self) -> None:
-        with self._lock:
-            self.events.clear()
-            self._totals.clear()
-
-    def collectives(self, kind: str | None = None, group: str | None = None) -> list[CommEvent]:
-        with self._lock:
-            events = list(self.events)
-        return [
-            e
-            for e in events
-            if e.kind != "mark"
-            and (kind is None or e.kind == kind)
-            and (group is None or e.group == group)
-        ]
-
-    def count(self, kind: str | None = None, group: str | None = None) -> int:
-        return len(self.collectives(kind, group))
-
-    def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for e in self.collectives():
-            out[e.kind] = out.get(e.kind, 0) + 1
-        return out
-
-    def marks(self, name: str | None = None) -> list[CommEvent]:
-        with self._lock:
-            return [
-                e for e in self.events if e.kind == "mark" and (name is None or e.group == name)
-            ]
-
-    def signature(self) -> list[tuple[str, int, str]]:
-        """(kind, numel, dtype) per collective, in issue order: compare it across ranks."""
-        return [(e.kind, e.numel, e.dtype) for e in self.collectives()]
-
-    def _of_kinds(self, kinds: tuple[str, ...]) -> list[CommEvent]:
-        events = self.collectives()
-        return [e for e in events if not kinds or e.kind in kinds]
-
-    def wait_time(self, *kinds: str) -> float:
-        """Seconds blocked inside ``wait()`` (exposed communication), for ``kinds`` or all."""
-        return sum(
-            (e.wait_end_t - e.wait_start_t)
-            for e in self._of_kinds(kinds)
-            if e.wait_end_t is not None and e.wait_start_t is not None
-        )
-
-    def in_flight_time(self, *kinds: str) -> float:
-        """Seconds between issue and the start of ``wait()``: communication the caller overlapped."""
-        return sum(
-            e.wait_start_t - e.issue_t for e in self._of_kinds(kinds) if e.wait_start_t is not None
-        )
 
 
 # ---------------------------------------------------------------------------
@@ -253,15 +119,14 @@ class CommWork:
         with self._lock:
             if self._done:
                 return
-            if self._event is not None:
-                self._event.wait_start_t = time.perf_counter()
+            start = time.perf_counter()
             if self._work is not None:
                 # On NCCL this makes the current stream wait; it does not block the host.
                 self._work.wait()
             if self._after is not None:
                 self._after()
             if self._event is not None:
-                self._event.wait_end_t = time.perf_counter()
+                self._event.waited_between(start, time.perf_counter())
             self._done = True
             self._work = None
             self._after = None

@@ -35,7 +35,14 @@ from cadence.train.config import Layout, TrainConfig
 from cadence.train.data.corpus import corpus_of
 from cadence.train.data.windows import TokenWindows
 
-__all__ = ["UNSHARD_LOOKAHEAD", "TrainState", "build_state", "make_data", "topology_for"]
+__all__ = [
+    "EVENT_LOG_CAPACITY",
+    "UNSHARD_LOOKAHEAD",
+    "TrainState",
+    "build_state",
+    "make_data",
+    "topology_for",
+]
 
 # [Note: sharded pipeline stages are gathered once per step]
 # With fully_shard stages the schedule places each stage's all-gather (UNSHARD, one
@@ -47,6 +54,10 @@ __all__ = ["UNSHARD_LOOKAHEAD", "TrainState", "build_state", "make_data", "topol
 # to its last compute of the step, as with FSDP2's reshard_after_forward=False,
 # which torch pipelining users pick for the same reason.
 UNSHARD_LOOKAHEAD = 1
+# Events a run's log keeps: timeline.png shows the last 3 steps (at most 512
+# communication events of each rank), which this holds whole for steps of up to
+# about 2,700 collectives and marks; whole-run figures come from the log's totals.
+EVENT_LOG_CAPACITY = 8192
 
 
 @dataclass
@@ -125,7 +136,9 @@ def make_data(cfg: TrainConfig) -> MarkovTokens | TokenWindows:
 def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
     """Build the model (or this rank's stages), wrappers, pipeline and optimizer."""
     layout = cfg.layout(pg.world_size)
-    log = EventLog()
+    # Bounded: a run steps for as long as it runs (see [Note: a long run's log stays
+    # bounded] in cadence/_event_log.py); the timeline needs only the last few steps.
+    log = EventLog(capacity=EVENT_LOG_CAPACITY)
     torch.manual_seed(cfg.seed)
     model = TinyGPT(cfg.model)  # same init on every rank
     data = make_data(cfg)

@@ -122,13 +122,13 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         "evals": history.evals,
         "history": history,
         "step_time_median_s": result.step_time_median_s,
-        "comm_exposed_s": log.wait_time("all_reduce", "reduce_scatter")
+        "comm_exposed_s": log.total_wait_time("all_reduce", "reduce_scatter")
         if reduced
         else float("nan"),
-        "comm_hidden_s": log.in_flight_time("all_reduce", "reduce_scatter")
+        "comm_hidden_s": log.total_in_flight_time("all_reduce", "reduce_scatter")
         if reduced
         else float("nan"),
-        "collectives": log.counts(),
+        "collectives": log.total_counts(),
         "timeline": None if sent is None else [_events(r["events"]) for r in sent],
         "timeline_bounds": None
         if sent is None
