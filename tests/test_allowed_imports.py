@@ -104,6 +104,8 @@ ROOMS: dict[str, set[str]] = {
         "topology.py",
         "pipeline/schedule/",
     },
+    # torch's pipelining API, on cadence's schedule layer and runtime.
+    "pipelining/": {"pipeline/schedule/", "pipeline/runtime/"},
     # The wrappers never import each other, but for the meta-device helpers that
     # fully_shard's module keeps and DataParallel's conversion checks reuse.
     # _overlap_optimizer.py: the optimizer stepped part by part (buckets; units).
@@ -208,6 +210,7 @@ DIST_USERS: dict[str, tuple[set[str], str]] = {
     "pipeline/runtime/executor.py": ({DIST}, "rank and size, to place this rank's stages"),
     "pipeline/runtime/groups.py": ({DIST}, "creates one communicator per channel"),
     "pipeline/runtime/tied.py": ({DIST}, "creates the groups that hold a tied parameter"),
+    "pipelining/": ({DIST, PIPELINING}, "torch's stages, tracer, chunk specs; a stage's group"),
     "precompile/_api.py": ({DIST}, "works with or without a process group"),
     "precompile/_share.py": ({DIST}, "the default group when there is one"),
     "train/": ({DCP}, "checkpoints through DCP"),

@@ -44,6 +44,7 @@ _LAZY = {
     "init": "cadence._dist_init:init",
     "pickling": "cadence.pickling",
     "pipeline": "cadence.pipeline",
+    "pipelining": "cadence.pipelining",
     "precompile": "cadence.precompile",
     "testing": "cadence.testing",
 }
@@ -95,6 +96,7 @@ __all__ = [
     "launch",
     "pickling",
     "pipeline",
+    "pipelining",
     "precompile",
     "testing",
 ]
