@@ -4,14 +4,15 @@
 On CPU, gloo's ``reduce_scatter`` costs about as much as an ``all_reduce`` of the
 whole input (it reduces every element, not only the caller's shard), and its
 ``all_gather`` copies through staging buffers. Both are on fully_shard's critical
-path. Measured with ``cadence bench collectives`` (docs/benchmarks.md; world 2 and
-4, one thread per rank, 0.25-16 MiB, median time exchange / gloo's own): an
-exchange in which every rank sends each peer the peer's chunk and sums what it
-receives takes 0.37-0.84 of gloo's reduce-scatter; an exchange all-gather 0.76-0.83
-of gloo's on world 4 and from 4 MiB on world 2, about the same at 1 MiB and 1.25
-at 0.25 MiB on world 2, hence the size rule of ``"auto"``. An all-reduce by exchange
-(a reduce-scatter exchange, then a gather) ranges 0.68-1.29 of gloo's alone and
-measured slower inside DataParallel's steps, so it is opt-in.
+path. Measured with ``cadence bench collectives`` (the record `CROSSOVER_RECORD`
+names; world 2, 4 and 8, one thread per rank, 64 KiB to 16 MiB, median time
+exchange / gloo's own): an exchange in which every rank sends each peer the peer's
+chunk and sums what it receives takes 0.37-0.59 of gloo's reduce-scatter from 1 MiB
+at every world, and 0.44 from 64 KiB on 4 and 8 ranks; an exchange all-gather
+0.59-0.93 from 64 KiB on 4 and 8 ranks but only from 4 MiB on 2 (1.00 at 1 MiB,
+1.35 at 256 KiB). An all-reduce by exchange (a reduce-scatter exchange, then a
+gather) ends 1.04-1.13 of gloo's own at 16 MiB on every world, so "auto" never picks
+it; it is opt-in. See [Note: auto picks by measured crossovers] for the rule.
 
 The exchange is the same arithmetic, in a fixed order: a reduce-scatter's shard is
 summed in rank order, ``((x_0 + x_1) + x_2) + ...``, on the one rank that owns it,
@@ -30,6 +31,29 @@ place, and the caller's thread only queues the exchange.
 
 Only CPU tensors on a gloo group take this path; NCCL's collectives are already
 the right algorithm and are never replaced.
+
+[Note: bounded messages in flight]
+An exchange pairs ranks in rounds: in round ``r`` (1 .. world-1) a rank sends to
+``rank + r`` and receives from ``rank - r`` (mod world), so both ends of every pair
+meet in the same round. Rounds are posted `PEERS_IN_FLIGHT` at a time, the next
+window once the previous one completed, so a rank has at most ``2 * PEERS_IN_FLIGHT``
+messages (and socket buffers) outstanding per exchange at any world size, where
+posting every peer at once would hold ``2 * (world - 1)``. The first window is posted
+by the group's poster thread in issue order, later windows by its finisher thread in
+issue order; a pair's messages always fall in the same window on both ends, so
+first-in first-out matching per peer and tag still holds. No window waits on a
+message its peer posts later than its own, so windows cannot deadlock.
+
+[Note: auto picks by measured crossovers]
+``"auto"`` looks up `AUTO_CROSSOVER_BYTES`: for each collective and each measured
+world, the smallest message (bytes of the whole, unsharded tensor) from which the
+exchange measured faster than gloo's own (median ratio under
+``cadence.bench.collectives.CROSSOVER_RATIO``, 0.95) at that size and every larger
+measured size, in the ``cadence bench collectives`` record `CROSSOVER_RECORD`;
+``tests/foundation/test_exchange.py`` re-derives the table from that record. A world
+between two measured worlds uses the next larger measured world's row, where each
+rank has more peers, so the choice errs toward what held with more messages. Above
+the largest measured world nothing was measured, and gloo's own algorithm is used.
 """
 
 from __future__ import annotations
@@ -62,19 +86,37 @@ _CHOICES = ("auto", "native", "exchange")
 # other tags (0 by default), so the two never match each other.
 EXCHANGE_TAG = 0x63646E63
 GATHER_TAG = EXCHANGE_TAG + 1  # an all-reduce's second phase, posted by the finisher
-# Below this (gathered bytes, world 2), gloo's all-gather measured faster than an exchange.
-AUTO_ALL_GATHER_BYTES = 1 << 20
+# Rounds of an exchange posted at once: see [Note: bounded messages in flight].
+PEERS_IN_FLIGHT = 4
+# See [Note: auto picks by measured crossovers]. None: gloo's own at every measured size.
+CROSSOVER_RECORD = "docs/records/collectives-20261203T211359Z.json"
+AUTO_CROSSOVER_BYTES: dict[str, dict[int, int | None]] = {
+    "all_gather": {2: 1 << 22, 4: 1 << 16, 8: 1 << 16},
+    "all_reduce": {2: None, 4: None, 8: None},
+    "reduce_scatter": {2: 1 << 18, 4: 1 << 16, 8: 1 << 16},
+}
+MEASURED_WORLDS = (2, 4, 8)
+
+
+def auto_uses_exchange(kind: str, nbytes: int, world: int) -> bool:
+    """``"auto"``'s choice for a ``nbytes`` collective of ``kind`` on ``world`` ranks."""
+    row = next((w for w in MEASURED_WORLDS if w >= world), None)
+    if row is None:  # beyond what was measured: gloo's own
+        return False
+    threshold = AUTO_CROSSOVER_BYTES[kind][row]
+    return threshold is not None and nbytes >= threshold
 
 
 @dataclass(frozen=True)
 class CollectiveAlgorithms:
     """How `cadence.Comm` runs each collective on a gloo group (NCCL is always native).
 
-    ``"auto"`` (default) picks what measured fastest on CPU: exchange for
-    reduce-scatter, exchange for all-gathers of at least `AUTO_ALL_GATHER_BYTES` or
-    on more than two ranks, gloo's own all-reduce. ``"native"`` always calls
-    gloo's collective; ``"exchange"`` always uses pairwise exchanges. See
-    [Note: why cadence replaces some of gloo's collectives] in ``cadence/_exchange.py``.
+    ``"auto"`` (default) picks what measured faster on CPU for the message's size and
+    the world (`AUTO_CROSSOVER_BYTES`), and gloo's own above the largest measured
+    world. ``"native"`` always calls gloo's collective; ``"exchange"`` always uses
+    pairwise exchanges, at most `PEERS_IN_FLIGHT` peers at a time. See
+    [Note: why cadence replaces some of gloo's collectives] and
+    [Note: auto picks by measured crossovers] in ``cadence/_exchange.py``.
     """
 
     reduce_scatter: Algorithm = "auto"
@@ -98,12 +140,10 @@ class CollectiveAlgorithms:
         """Whether collective ``kind`` on ``tensor`` goes through an exchange."""
         if world < 2 or backend != "gloo" or tensor.device.type != "cpu":
             return False
-        choice = getattr(self, kind)
+        choice: Algorithm = getattr(self, kind)
         if choice != "auto":
             return choice == "exchange"
-        if kind == "all_gather":
-            return world > 2 or tensor.numel() * tensor.element_size() >= AUTO_ALL_GATHER_BYTES
-        return kind == "reduce_scatter"
+        return auto_uses_exchange(kind, tensor.numel() * tensor.element_size(), world)
 
 
 def check_algorithms(value: object, who: str) -> CollectiveAlgorithms:
@@ -203,26 +243,25 @@ def _group_threads(pg: Any) -> _GroupThreads:
         return threads
 
 
-class ExchangeWork:
-    """One collective made of point-to-point messages.
+Step = Callable[[], Sequence[Any]]
 
-    ``post()`` posts the messages and returns their works; ``finish()`` runs once
-    they completed (a sum) and may post and return a second phase. With a group both
-    run on the group's threads (`_GroupThreads`); an error there (a timeout, a failed
-    sum) is re-raised by ``wait()``. Without one (tests) both run at construction.
+
+class ExchangeWork:
+    """One collective made of point-to-point messages, posted in steps.
+
+    Each step posts messages and returns their works; the next step runs once they
+    completed. The first step runs on the group's poster thread, the rest on its
+    finisher thread (`_GroupThreads`), so windows of rounds, a sum and an all-reduce's
+    gather phase all run off the caller's thread; an error there (a timeout, a failed
+    sum) is re-raised by ``wait()``. Without a group (tests) all steps run at
+    construction.
     """
 
-    __slots__ = ("_done", "_error", "_finish", "_post_fn", "_works")
+    __slots__ = ("_done", "_error", "_steps", "_works")
 
-    def __init__(
-        self,
-        post: Callable[[], Sequence[Any]],
-        finish: Callable[[], Sequence[Any] | None] | None = None,
-        pg: Any = None,
-    ) -> None:
-        self._post_fn: Callable[[], Sequence[Any]] | None = post
+    def __init__(self, steps: Sequence[Step], pg: Any = None) -> None:
+        self._steps: list[Step] = list(steps)
         self._works: list[Any] = []
-        self._finish = finish
         self._error: BaseException | None = None
         self._done = threading.Event()
         if pg is None:
@@ -231,30 +270,31 @@ class ExchangeWork:
         else:
             _group_threads(pg).submit(self)
 
+    def _run_step(self) -> None:
+        self._works = list(self._steps.pop(0)())
+
     def _post_messages(self) -> None:
         try:
-            assert self._post_fn is not None
-            self._works = list(self._post_fn())
+            self._run_step()
         except BaseException as e:  # re-raised on the caller's thread by wait()
             self._error = e
-        finally:
-            self._post_fn = None
+            self._steps = []
 
     def _complete(self) -> None:
         try:
             if self._error is not None:
                 return
-            for work in self._works:
-                work.wait()
-            # A finish may post a second phase (an all-reduce's gather) and return it.
-            more = self._finish() if self._finish is not None else None
-            for work in more or ():
-                work.wait()
+            while True:
+                for work in self._works:
+                    work.wait()
+                if not self._steps:
+                    break
+                self._run_step()
         except BaseException as e:  # re-raised on the caller's thread by wait()
             self._error = e
         finally:
             self._works = []
-            self._finish = None
+            self._steps = []
             self._done.set()
 
     def is_completed(self) -> bool:
@@ -279,19 +319,42 @@ def _post(
     return works
 
 
+def _windows(
+    pg: dist.ProcessGroup,
+    rank: int,
+    world: int,
+    send: Callable[[int], torch.Tensor],
+    recv: Callable[[int], torch.Tensor],
+    tag: int = EXCHANGE_TAG,
+) -> list[Step]:
+    """One step per window of rounds; see [Note: bounded messages in flight].
+
+    In round ``r`` this rank sends ``send(rank + r)`` and receives into
+    ``recv(rank - r)``, so every peer is sent to and received from exactly once.
+    """
+    rounds = [((rank + r) % world, (rank - r) % world) for r in range(1, world)]
+
+    def step(window: list[tuple[int, int]]) -> Step:
+        sends = [(send(to), to) for to, _ in window]
+        recvs = [(recv(frm), frm) for _, frm in window]
+        return lambda: _post(pg, sends, recvs, tag)
+
+    return [step(rounds[i : i + PEERS_IN_FLIGHT]) for i in range(0, len(rounds), PEERS_IN_FLIGHT)]
+
+
 def exchange_all_gather(
     pg: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, rank: int, world: int
 ) -> ExchangeWork:
     """``output = cat(input of every rank)``: send ours to every peer, receive theirs in place."""
     chunks = output.view(world, -1)
     flat = input.reshape(-1)
-    peers = [p for p in range(world) if p != rank]
-    sends, recvs = [(flat, p) for p in peers], [(chunks[p], p) for p in peers]
+    steps = _windows(pg, rank, world, lambda _: flat, chunks.__getitem__)
 
-    def finish() -> None:
+    def own() -> Sequence[Any]:
         chunks[rank].copy_(flat)  # our own part, off the caller's thread too
+        return []
 
-    return ExchangeWork(lambda: _post(pg, sends, recvs), finish, pg)
+    return ExchangeWork([*steps, own], pg)
 
 
 def exchange_reduce_scatter(
@@ -316,9 +379,9 @@ def exchange_reduce_scatter(
     received = torch.empty((len(buffered), own.numel()), dtype=input.dtype, device=input.device)
     slot = {p: received[i] for i, p in enumerate(buffered)}
     slot.update({p: flat_out for p in direct})
-    sends, recvs = [(chunks[p], p) for p in peers], [(slot[p], p) for p in peers]
+    steps = _windows(pg, rank, world, chunks.__getitem__, slot.__getitem__)
 
-    def finish() -> None:
+    def finish() -> Sequence[Any]:
         # Rank order, so the sum is the same whichever rank computes it.
         parts = [own.clone() if in_place and p == rank else slot.get(p, own) for p in range(world)]
         if direct:
@@ -328,16 +391,18 @@ def exchange_reduce_scatter(
             torch.add(parts[0], parts[1], out=flat_out)
         for part in parts[2:]:
             flat_out.add_(part)
+        return []
 
-    return ExchangeWork(lambda: _post(pg, sends, recvs), finish, pg)
+    return ExchangeWork([*steps, finish], pg)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     size = a.element_size()
-    a0, b0 = a.storage_offset() * size, b.storage_offset() * size
-    return a0 < b0 + b.numel() * size and b0 < a0 + a.numel() * size
+    # Concrete tensors only (no symbolic shapes here): plain ints.
+    a0, b0 = int(a.storage_offset()) * size, int(b.storage_offset()) * size
+    return a0 < b0 + int(b.numel()) * size and b0 < a0 + int(a.numel()) * size
 
 
 def exchange_all_reduce(
@@ -365,9 +430,12 @@ def exchange_all_reduce(
         else torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     )
     slot = {p: received[i] for i, p in enumerate(peers)}
-    sends, recvs = [(chunks[p], p) for p in peers], [(slot[p], p) for p in peers]
+    scatter = _windows(pg, rank, world, chunks.__getitem__, slot.__getitem__)
+    # Phase two: our summed chunk to every peer, theirs into the chunks phase one
+    # sent (those sends are complete, so the chunks are free to overwrite).
+    gather = _windows(pg, rank, world, lambda _: own, chunks.__getitem__, GATHER_TAG)
 
-    def finish() -> list[Any]:
+    def finish() -> Sequence[Any]:
         # Sum into our own chunk, which phase one did not send. It is an addend too:
         # when it is not among the first two (rank >= 2) read it from a copy.
         mine = own.clone() if rank >= 2 else own
@@ -380,8 +448,6 @@ def exchange_all_reduce(
             own.add_(part)
         if pool is not None:
             pool.give(received)
-        # Phase two: our summed chunk to every peer, theirs into the chunks phase one
-        # sent (those sends are complete, so the chunks are free to overwrite).
-        return _post(pg, [(own, p) for p in peers], [(chunks[p], p) for p in peers], GATHER_TAG)
+        return gather[0]()
 
-    return ExchangeWork(lambda: _post(pg, sends, recvs), finish, pg)
+    return ExchangeWork([*scatter, finish, *gather[1:]], pg)

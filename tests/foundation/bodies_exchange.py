@@ -23,8 +23,13 @@ def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def collectives(n: int = 1000) -> dict[str, Any]:
-    """Exchange against native and against the rank-order sum computed locally."""
+def collectives(n: int = 1000, peers_in_flight: int | None = None) -> dict[str, Any]:
+    """Exchange against native and against the rank-order sum computed locally
+    (with ``peers_in_flight``, exchanges post that many rounds at a time)."""
+    if peers_in_flight is not None:
+        from cadence import _exchange
+
+        _exchange.PEERS_IN_FLIGHT = peers_in_flight
     rank, world = dist.get_rank(), dist.get_world_size()
     log = cadence.EventLog()
     ex = cadence.Comm(event_log=log, name="ex", algorithms=EXCHANGE)
@@ -143,14 +148,13 @@ def _train(model: nn.Module, steps: int = 3) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _fsdp(base: nn.Module, algorithms: CollectiveAlgorithms | None) -> list[torch.Tensor]:
+def _fsdp(base: nn.Module, algorithms: CollectiveAlgorithms) -> list[torch.Tensor]:
     model = copy.deepcopy(base)
     log = cadence.EventLog()
     for layer in (model[0], model[2]):
         cadence.fully_shard(layer, event_log=log)
     cadence.fully_shard(model, event_log=log)
-    if algorithms is not None:
-        model.set_collective_algorithms(algorithms)
+    model.set_collective_algorithms(algorithms)
     params = _train(model)
     used = {f"{e.kind}:{e.meta.get('algorithm', 'native')}" for e in log.collectives()}
     return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params] + [used]  # type: ignore[list-item]
@@ -159,11 +163,11 @@ def _fsdp(base: nn.Module, algorithms: CollectiveAlgorithms | None) -> list[torc
 def wrappers() -> dict[str, Any]:
     """fully_shard and DataParallel train to the same parameters either way."""
     base = _mlp()
-    *auto, auto_used = _fsdp(base, None)
+    *exchanged, exchange_used = _fsdp(base, EXCHANGE)
     *native, native_used = _fsdp(base, CollectiveAlgorithms.native())
     res: dict[str, Any] = {
-        "fsdp_max_diff": max((a - b).abs().max().item() for a, b in zip(auto, native)),
-        "fsdp_auto_used": sorted(auto_used),
+        "fsdp_max_diff": max((a - b).abs().max().item() for a, b in zip(exchanged, native)),
+        "fsdp_exchange_used": sorted(exchange_used),
         "fsdp_native_used": sorted(native_used),
     }
     try:
