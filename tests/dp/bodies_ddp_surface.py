@@ -1,15 +1,14 @@
-"""Rank bodies: DataParallel takes torch DDP's constructor and attributes, with the same effect.
+"""Scenarios: DataParallel takes torch DDP's constructor and attributes, with the same effect.
 
-Each case returns numbers that show the effect (collective counts from the event
-log and from a counting comm hook on torch DDP, gradient differences), or "ok"
-for an error whose message was checked.
+Each scenario shows the effect (collective counts from the event log and from a
+counting comm hook on torch DDP, gradient differences) or the error, and asserts it.
+`SCENARIOS` runs in one world-2 launch.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,8 +19,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cadence
-from cadence.testing import max_abs_diff, named_grads, run_subtests
-from tests.dp.common import WIDTH, expect_error, global_batch, local, make_mlp, strip
+from cadence.testing import max_abs_diff, named_grads
+from tests._scenarios import assert_raises, cases, scenarios
+from tests.dp.common import WIDTH, global_batch, local, make_mlp, strip
 
 
 def _counting_ddp(model: nn.Module, **kwargs: Any) -> tuple[DDP, list[int]]:
@@ -44,7 +44,7 @@ def _step(model: nn.Module, step: int, micro: int = 0) -> None:
     F.mse_loss(model(local(x, rank, world)), local(y, rank, world)).backward()
 
 
-def grad_accumulation() -> dict[str, float]:
+def require_backward_grad_sync_is_honoured() -> None:
     """nanoGPT's loop: ``require_backward_grad_sync = (micro == last)``; count all-reduces."""
     model = make_mlp()
     log = cadence.EventLog()
@@ -63,77 +63,92 @@ def grad_accumulation() -> dict[str, float]:
                 _step(m, step, micro)
         per_step.append((log.count("all_reduce"), len(ddp_calls)))
         out["grad_ddp"] = max(out["grad_ddp"], max_abs_diff(named_grads(dp), named_grads(ddp)))
-    out["cadence_all_reduces"] = float(per_step[1][0])
-    out["ddp_all_reduces"] = float(per_step[1][1])
-    out["num_buckets"] = float(dp.num_buckets)
-    out["flag_reads_back"] = float(dp.require_backward_grad_sync)
-    return out
+    # Four micro-steps, sync only on the last: one all-reduce per bucket per step, as DDP.
+    ours, ddps = per_step[1]
+    assert ours == dp.num_buckets == ddps == 1, (per_step, dp.num_buckets)
+    assert out["grad_ddp"] < 1e-6, f"grads differ from DDP by {out['grad_ddp']:.3e}"
+    assert dp.require_backward_grad_sync is True, "the flag does not read back"
 
 
-def bucket_caps() -> dict[str, Any]:
-    """Bucket counts equal torch DDP's (after its first-step rebuild) for each cap rule."""
+# 6 x (256 KiB weight + 1 KiB bias), packed greedily in registration order: default:
+# 1 MiB first bucket, then 25 MiB; explicit 0.6 MiB everywhere; list [0.3, 1]:
+# 0.3 MiB, then 1 MiB repeating. name -> (kwargs, all-reduces per step).
+BUCKET_CAPS: dict[str, tuple[dict[str, Any], int]] = {
+    "default": ({}, 2),
+    "explicit": ({"bucket_cap_mb": 0.6}, 3),
+    "list": ({"bucket_cap_mb_list": [0.3, 1]}, 3),
+}
+
+
+def bucket_caps(caps: str) -> None:
+    """Bucket counts as documented; with the default caps, torch DDP's (after its
+    first-step rebuild, which packs in gradient-ready order)."""
+    kwargs, expected = BUCKET_CAPS[caps]
     torch.manual_seed(0)
     # 6 x 256 KiB weights: more than the 1 MiB small first bucket.
     big = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
-    cases: dict[str, dict[str, Any]] = {
-        "default": {},
-        "explicit": {"bucket_cap_mb": 0.6},
-        "list": {"bucket_cap_mb_list": [0.3, 1]},
-    }
-
-    def case(name: str) -> dict[str, float]:
-        kwargs = cases[name]
-        log = cadence.EventLog()
-        dp = cadence.DataParallel(copy.deepcopy(big), event_log=log, **kwargs)
-        ddp, calls = _counting_ddp(big, **kwargs)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        for step in range(2):
-            log.clear()
-            calls.clear()
-            x = torch.randn(world * 2, 256, generator=torch.Generator().manual_seed(step))
-            for m in (dp, ddp):
-                m.zero_grad()
-                m(local(x, rank, world)).square().mean().backward()
-        return {
-            "cadence": float(log.count("all_reduce")),
-            "ddp": float(len(calls)),
-            "grad": max_abs_diff(named_grads(dp), named_grads(ddp)),
-        }
-
-    results = run_subtests({"name": list(cases)}, case)
-    return {name: results[f"name={name!r}"] for name in cases}
+    log = cadence.EventLog()
+    dp = cadence.DataParallel(copy.deepcopy(big), event_log=log, **kwargs)
+    ddp, calls = _counting_ddp(big, **kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        log.clear()
+        calls.clear()
+        x = torch.randn(world * 2, 256, generator=torch.Generator().manual_seed(step))
+        for m in (dp, ddp):
+            m.zero_grad()
+            m(local(x, rank, world)).square().mean().backward()
+    diff = max_abs_diff(named_grads(dp), named_grads(ddp))
+    assert diff < 1e-6, f"grads differ from DDP by {diff:.3e}"
+    ours = log.count("all_reduce")
+    assert ours == expected, f"{ours} all-reduces, expected {expected}"
+    if caps == "default":
+        assert ours == len(calls), f"{ours} all-reduces, torch DDP {len(calls)}"
 
 
-def groups() -> dict[str, Any]:
-    """``process_group=`` / ``device_mesh=`` decide who averages; two at once is refused."""
+def _singleton_group_and_mesh() -> tuple[dist.ProcessGroup, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     singles = [dist.new_group([r]) for r in range(world)]
-    mine = singles[rank]
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    return singles[rank], mesh
+
+
+def process_group_and_device_mesh_decide_who_averages() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, mesh = _singleton_group_and_mesh()
     model = make_mlp()
     x, y = global_batch(0, world)
     local_ref = copy.deepcopy(model)
     F.mse_loss(local_ref(local(x, rank, world)), local(y, rank, world)).backward()
-    out: dict[str, Any] = {}
     alone = cadence.DataParallel(copy.deepcopy(model), process_group=mine)
     _step(alone, 0)
-    out["process_group_local"] = max_abs_diff(strip(named_grads(alone)), named_grads(local_ref))
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    # A singleton group: local gradients.
+    diff = max_abs_diff(strip(named_grads(alone)), named_grads(local_ref))
+    assert diff < 1e-7, f"a singleton group's grads differ from local ones by {diff:.3e}"
     meshed = cadence.DataParallel(copy.deepcopy(model), device_mesh=mesh)
     _step(meshed, 0)
     world_ddp = DDP(copy.deepcopy(model))
     _step(world_ddp, 0)
-    out["device_mesh_vs_ddp"] = max_abs_diff(named_grads(meshed), named_grads(world_ddp))
-    out["process_group_attr"] = float(alone.process_group is mine)
-    out["both"] = expect_error(
+    diff = max_abs_diff(named_grads(meshed), named_grads(world_ddp))
+    assert diff < 1e-6, f"device_mesh grads differ from DDP by {diff:.3e}"
+    assert alone.process_group is mine, "process_group does not read back"
+
+
+def process_group_and_device_mesh_together_are_refused() -> None:
+    mine, mesh = _singleton_group_and_mesh()
+    assert_raises(
         lambda: cadence.DataParallel(make_mlp(), process_group=mine, device_mesh=mesh),
         "process_group and device_mesh",
         "Pass one",
     )
-    out["group_and_pg"] = expect_error(
+
+
+def group_and_process_group_together_are_refused() -> None:
+    mine, _ = _singleton_group_and_mesh()
+    assert_raises(
         lambda: cadence.DataParallel(make_mlp(), group=mine, process_group=mine),
         "group and process_group",
     )
-    return out
 
 
 def _mp(**kwargs: Any) -> Any:
@@ -142,77 +157,68 @@ def _mp(**kwargs: Any) -> Any:
     return _MixedPrecision(**kwargs)
 
 
-def _static_graph_pending() -> str:
+def set_static_graph_with_a_window_pending_is_refused() -> None:
     dp = cadence.DataParallel(make_mlp())
     dp.require_manual_backward_finalization = True
     _step(dp, 0)
-    msg = expect_error(dp._set_static_graph, "_set_static_graph()", "between steps")
+    assert_raises(dp._set_static_graph, "_set_static_graph()", "between steps")
     dp.finalize_backward()
-    return msg
 
 
-def devices() -> dict[str, str]:
-    """device_ids / output_device: DDP's rules on a CPU module (errors that name the fix)."""
-    return {
-        "cpu_device_ids": expect_error(
-            lambda: cadence.DataParallel(make_mlp(), device_ids=[0]),
-            "device_ids=[0]",
-            "model.to(local_rank)",
-        ),
-        "two_device_ids": expect_error(
-            lambda: cadence.DataParallel(make_mlp(), device_ids=[0, 1]), "several devices"
-        ),
-        "output_device_alone": expect_error(
-            lambda: cadence.DataParallel(make_mlp(), output_device=0), "needs device_ids"
-        ),
-        "dim_type": expect_error(
-            lambda: cadence.DataParallel(make_mlp(), dim="0"),  # type: ignore[arg-type]
-            "dim must be an int",
-        ),
-        "static_graph_pending": _static_graph_pending(),
-        "delay_wrong_param": expect_error(
-            lambda: cadence.DataParallel(
-                make_mlp(),
-                delay_all_reduce_named_params=[("0.weight", nn.Parameter(torch.ones(1)))],
-            ),
-            "delay_all_reduce_named_params names '0.weight'",
-        ),
-        "hook_without_delay": expect_error(
-            lambda: cadence.DataParallel(
-                make_mlp(), param_to_hook_all_reduce=nn.Parameter(torch.ones(1))
-            ),
-            "needs delay_all_reduce_named_params",
-        ),
-        "caps_list_and_first": expect_error(
-            lambda: cadence.DataParallel(
-                make_mlp(), bucket_cap_mb_list=[1.0], first_bucket_cap_mb=0.5
-            ),
-            "drop first_bucket_cap_mb",
-        ),
-        "negative_cap": expect_error(
-            lambda: cadence.DataParallel(make_mlp(), bucket_cap_mb=-1), "must be positive"
-        ),
-        "reduce_dtype_disagree": expect_error(
-            lambda: cadence.DataParallel(
-                make_mlp(),
-                mixed_precision=_mp(reduce_dtype=torch.bfloat16),
-                reduce_dtype=torch.float16,
-            ),
-            "disagree",
-        ),
-        "mesh_2d": expect_error(
-            lambda: cadence.DataParallel(
-                make_mlp(),
-                device_mesh=torch.distributed.device_mesh.init_device_mesh(
-                    "cpu", (1, dist.get_world_size())
-                ),
-            ),
-            "device_mesh must be 1-D",
-        ),
-        "none_ok": "ok"
-        if cadence.DataParallel(make_mlp(), [], None, 1).device_ids is None
-        else "device_ids not None",
-    }
+def devices_none_empty_and_dim_as_ddp_accept() -> None:
+    dp = cadence.DataParallel(make_mlp(), [], None, 1)
+    assert dp.device_ids is None, f"device_ids {dp.device_ids!r}"
+
+
+# Constructor arguments DDP's rules refuse (on a CPU module): name -> (kwargs, message
+# fragments). Each error names the fix.
+ARGUMENT_ERRORS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "cpu_device_ids": (lambda: {"device_ids": [0]}, ("device_ids=[0]", "model.to(local_rank)")),
+    "two_device_ids": (lambda: {"device_ids": [0, 1]}, ("several devices",)),
+    "output_device_alone": (lambda: {"output_device": 0}, ("needs device_ids",)),
+    "dim_type": (lambda: {"dim": "0"}, ("dim must be an int",)),
+    "delay_wrong_param": (
+        lambda: {"delay_all_reduce_named_params": [("0.weight", nn.Parameter(torch.ones(1)))]},
+        ("delay_all_reduce_named_params names '0.weight'",),
+    ),
+    "hook_without_delay": (
+        lambda: {"param_to_hook_all_reduce": nn.Parameter(torch.ones(1))},
+        ("needs delay_all_reduce_named_params",),
+    ),
+    "caps_list_and_first": (
+        lambda: {"bucket_cap_mb_list": [1.0], "first_bucket_cap_mb": 0.5},
+        ("drop first_bucket_cap_mb",),
+    ),
+    "negative_cap": (lambda: {"bucket_cap_mb": -1}, ("must be positive",)),
+    "reduce_dtype_disagree": (
+        lambda: {
+            "mixed_precision": _mp(reduce_dtype=torch.bfloat16),
+            "reduce_dtype": torch.float16,
+        },
+        ("disagree",),
+    ),
+    "mesh_2d": (
+        lambda: {
+            "device_mesh": torch.distributed.device_mesh.init_device_mesh(
+                "cpu", (1, dist.get_world_size())
+            )
+        },
+        ("device_mesh must be 1-D",),
+    ),
+    "mp_param_dtype": (
+        lambda: {"mixed_precision": _mp(param_dtype=torch.bfloat16)},
+        ("mixed_precision.param_dtype", "torch.autocast"),
+    ),
+    "skip_needs_find_unused": (
+        lambda: {"skip_all_reduce_unused_params": True},
+        ("find_unused_parameters=True",),
+    ),
+}
+
+
+def argument_error(case: str) -> None:
+    kwargs, fragments = ARGUMENT_ERRORS[case]
+    assert_raises(lambda: cadence.DataParallel(make_mlp(), **kwargs()), *fragments)
 
 
 class _WithBuffer(nn.Module):
@@ -234,34 +240,37 @@ def _spread(t: torch.Tensor) -> float:
     return max(float((e - everyone[0]).abs().max()) for e in everyone)
 
 
-def buffers() -> dict[str, float]:
+def buffer_sync_arguments() -> None:
     """init_sync, broadcast_buffers vs forward_sync_buffers, require_forward_param_sync."""
     rank = dist.get_rank()
-    out: dict[str, float] = {}
     x = torch.randn(2, WIDTH)
     log = cadence.EventLog()
     # broadcast_buffers=False (DDP's deprecated meaning): buffers skipped at init too.
     dp = cadence.DataParallel(_WithBuffer(), broadcast_buffers=False, event_log=log)
-    out["bb_false_init_spread"] = _spread(dp.module.stat)
+    spread = _spread(dp.module.stat)
+    assert spread == 1.0, f"broadcast_buffers=False: spread {spread} after init"
     # forward_sync_buffers=False: synced at init, not at forward.
     dp = cadence.DataParallel(_WithBuffer(), forward_sync_buffers=False, event_log=log)
-    out["fsb_false_init_spread"] = _spread(dp.module.stat)
+    spread = _spread(dp.module.stat)
+    assert spread == 0.0, f"forward_sync_buffers=False: spread {spread} after init"
     dp.module.stat.fill_(rank)
     log.clear()
     dp(x)
-    out["fsb_false_forward_broadcasts"] = float(log.count("broadcast"))
+    assert log.count("broadcast") == 0, f"forward_sync_buffers=False: {log.counts()}"
     # Default: broadcast at forward, unless require_forward_param_sync is off.
     dp = cadence.DataParallel(_WithBuffer(), event_log=log)
     dp.module.stat.fill_(rank)
     dp.require_forward_param_sync = False
     log.clear()
     dp(x)
-    out["rfps_false_broadcasts"] = float(log.count("broadcast"))
-    out["rfps_false_spread"] = _spread(dp.module.stat)
+    spread = _spread(dp.module.stat)
+    assert log.count("broadcast") == 0, f"require_forward_param_sync=False: {log.counts()}"
+    assert spread == 1.0, f"require_forward_param_sync=False: spread {spread}"
     dp.require_forward_param_sync = True
     dp(x)
-    out["rfps_true_broadcasts"] = float(log.count("broadcast"))
-    out["rfps_true_spread"] = _spread(dp.module.stat)
+    spread = _spread(dp.module.stat)
+    assert log.count("broadcast") == 1, f"require_forward_param_sync=True: {log.counts()}"
+    assert spread == 0.0, f"require_forward_param_sync=True: spread {spread}"
     # Which forwards broadcast, against DDP's own decision (will_sync_module_buffers):
     # a forward after a no_sync, flag-off or no-grad forward does not.
     pattern = {}
@@ -287,31 +296,41 @@ def buffers() -> dict[str, float]:
             if name == "cadence":
                 seen.append(float(log.count("broadcast")))
         pattern[name] = seen
-    out["ddp_pattern"] = pattern["ddp"]  # type: ignore[assignment]
-    out["cadence_pattern"] = pattern["cadence"]  # type: ignore[assignment]
+    assert pattern["ddp"] == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0], pattern
+    assert pattern["cadence"] == pattern["ddp"], pattern
     # init_sync=False: rank-dependent parameters stay rank-dependent.
     torch.manual_seed(rank)
     dp = cadence.DataParallel(nn.Linear(WIDTH, 1), init_sync=False, event_log=log)
-    out["no_init_sync_spread"] = _spread(dp.module.weight)
-    # _ddp_params_and_buffers_to_ignore: neither reduced nor broadcast.
+    spread = _spread(dp.module.weight)
+    assert spread > 0, "init_sync=False: the parameters were synced"
+
+
+def ddp_ignore_list_is_neither_reduced_nor_broadcast() -> None:
+    """``_ddp_params_and_buffers_to_ignore``: neither reduced nor broadcast."""
+    rank = dist.get_rank()
     m = _WithBuffer()
     DDP._set_params_and_buffers_to_ignore_for_model(m, ["other.weight", "other.bias", "private"])
     with torch.no_grad():
         m.other.weight.fill_(rank)
     dp = cadence.DataParallel(m)
-    out["ignored_param_spread"] = _spread(dp.module.other.weight)
-    out["ignored_buffer_spread"] = _spread(dp.module.private)
+    spreads = {
+        "ignored_param": _spread(dp.module.other.weight),
+        "ignored_buffer": _spread(dp.module.private),
+    }
     xl = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank))
     dp(xl).sum().backward()
-    out["ignored_grad_spread"] = _spread(dp.module.other.weight.grad)
-    out["reduced_grad_spread"] = _spread(dp.module.lin.weight.grad)
-    return out
+    spreads["ignored_grad"] = _spread(dp.module.other.weight.grad)
+    spreads["reduced_grad"] = _spread(dp.module.lin.weight.grad)
+    assert spreads["ignored_param"] == 1.0, spreads  # not broadcast at init
+    assert spreads["ignored_buffer"] == 1.0, spreads
+    assert spreads["ignored_grad"] > 0, spreads  # not reduced
+    assert spreads["reduced_grad"] == 0.0, spreads
 
 
-def delayed_and_precision() -> dict[str, Any]:
-    """delay_all_reduce_named_params, mixed_precision, check_reduction, skip_all_reduce."""
+def delayed_all_reduce_is_launched_last() -> None:
+    """delay_all_reduce_named_params: one regular bucket plus the delayed one, launched
+    last with exactly those parameters."""
     model = make_mlp()
-    out: dict[str, Any] = {}
     log = cadence.EventLog()
     m = copy.deepcopy(model)
     delayed = [(n, p) for n, p in m.named_parameters() if n.startswith("2.")]
@@ -328,55 +347,48 @@ def delayed_and_precision() -> dict[str, Any]:
             w.zero_grad()
             _step(w, step)
     events = log.collectives("all_reduce")
-    out["delayed_buckets"] = float(dp.num_buckets)
-    out["delayed_all_reduces"] = float(len(events))
-    out["delayed_last_numel"] = float(events[-1].numel)
-    out["delayed_numel"] = float(sum(p.numel() for _, p in delayed))
-    out["delayed_grad_ddp"] = max_abs_diff(named_grads(dp), named_grads(ddp))
-    # DDP's mixed precision with reduce_dtype only: the wire dtype.
+    diff = max_abs_diff(named_grads(dp), named_grads(ddp))
+    assert diff < 1e-6, f"grads differ from DDP by {diff:.3e}"
+    assert dp.num_buckets == len(events) == 2, (dp.num_buckets, len(events))
+    delayed_numel = sum(p.numel() for _, p in delayed)
+    assert events[-1].numel == delayed_numel, (events[-1].numel, delayed_numel)
+
+
+def ddp_mixed_precision_reduce_dtype_is_the_wire_dtype() -> None:
     from torch.nn.parallel.distributed import _MixedPrecision
 
+    log = cadence.EventLog()
     dp = cadence.DataParallel(
-        copy.deepcopy(model),
-        mixed_precision=_MixedPrecision(reduce_dtype=torch.bfloat16),
-        event_log=log,
+        make_mlp(), mixed_precision=_MixedPrecision(reduce_dtype=torch.bfloat16), event_log=log
     )
     log.clear()
     _step(dp, 0)
-    out["mp_wire_dtypes"] = sorted({e.dtype for e in log.collectives("all_reduce")})
-    out["mp_param_dtype"] = expect_error(
-        lambda: cadence.DataParallel(
-            make_mlp(), mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16)
-        ),
-        "mixed_precision.param_dtype",
-        "torch.autocast",
-    )
+    wire = sorted({e.dtype for e in log.collectives("all_reduce")})
+    assert wire == ["bfloat16"], wire
+
+
+def check_reduction_warns_deprecated() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cadence.DataParallel(make_mlp(), check_reduction=True)
-    out["check_reduction_warns"] = float(any(issubclass(w.category, FutureWarning) for w in caught))
-    out["skip_needs_find_unused"] = expect_error(
-        lambda: cadence.DataParallel(make_mlp(), skip_all_reduce_unused_params=True),
-        "find_unused_parameters=True",
-    )
-    return out
+    categories = [w.category.__name__ for w in caught]
+    assert any(issubclass(w.category, FutureWarning) for w in caught), categories
 
 
-def comm_hooks_and_toggles() -> dict[str, Any]:
-    """torch's own comm hooks run unchanged; _set_static_graph; FSDP2 verbs."""
+def torch_comm_hook_runs_unchanged(hook: str) -> None:
+    fn = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
     model = make_mlp()
-    out: dict[str, Any] = {}
-    for name, hook in (
-        ("allreduce", default_hooks.allreduce_hook),
-        ("fp16", default_hooks.fp16_compress_hook),
-    ):
-        dp = cadence.DataParallel(copy.deepcopy(model))
-        dp.register_comm_hook(None, hook)
-        ddp = DDP(copy.deepcopy(model))
-        ddp.register_comm_hook(None, hook)
-        for w in (dp, ddp):
-            _step(w, 0)
-        out[f"torch_hook_{name}"] = max_abs_diff(named_grads(dp), named_grads(ddp))
+    dp = cadence.DataParallel(copy.deepcopy(model))
+    dp.register_comm_hook(None, fn[hook])
+    ddp = DDP(copy.deepcopy(model))
+    ddp.register_comm_hook(None, fn[hook])
+    for w in (dp, ddp):
+        _step(w, 0)
+    diff = max_abs_diff(named_grads(dp), named_grads(ddp))
+    assert diff < 1e-6, f"grads differ from DDP by {diff:.3e}"
+
+
+def set_static_graph_handles_a_layer_checkpointed_twice() -> None:
     from tests.dp.bodies_timing import _Twice
 
     twice = _Twice()
@@ -390,34 +402,45 @@ def comm_hooks_and_toggles() -> dict[str, Any]:
         ref.zero_grad()
         F.mse_loss(dp(local(x, rank, world).requires_grad_()), local(y, rank, world)).backward()
         F.mse_loss(ref(x), y).backward()
-    out["set_static_graph"] = max_abs_diff(strip(named_grads(dp)), named_grads(ref))
-    out["static_graph_attr"] = float(dp.static_graph)
-    # FSDP2's verbs, so a script switches wrappers with one line.
+    diff = max_abs_diff(strip(named_grads(dp)), named_grads(ref))
+    assert diff < 1e-6, f"grads differ from the reference by {diff:.3e}"
+    assert dp.static_graph is True, "static_graph does not read back"
+
+
+def fsdp2_verbs_switch_wrappers_with_one_line() -> None:
+    """FSDP2's verbs, so a script switches wrappers with one line."""
     log = cadence.EventLog()
-    dp = cadence.DataParallel(copy.deepcopy(model), event_log=log)
+    dp = cadence.DataParallel(make_mlp(), event_log=log)
     dp.set_reshard_after_forward(True)
     dp.set_reshard_after_backward(False)
     for micro in range(3):
         dp.set_is_last_backward(micro == 2)
         dp.set_requires_gradient_sync(micro == 2)
         _step(dp, 0, micro)
-    out["fsdp_verbs_all_reduces"] = float(log.count("all_reduce"))
-    return out
+    assert log.count("all_reduce") == 1, log.counts()
 
 
-SECTIONS: dict[str, Callable[[], Any]] = {
-    "grad_accumulation": grad_accumulation,
-    "bucket_caps": bucket_caps,
-    "groups": groups,
-    "devices": devices,
-    "buffers": buffers,
-    "delayed_and_precision": delayed_and_precision,
-    "comm_hooks_and_toggles": comm_hooks_and_toggles,
-}
-
-
-def ddp_surface() -> dict[str, Any]:
-    return {name: fn() for name, fn in SECTIONS.items()}
-
-
-__all__ = ["SECTIONS", "ddp_surface"]
+SCENARIOS = [
+    *scenarios(require_backward_grad_sync_is_honoured),
+    *cases(bucket_caps, "caps", list(BUCKET_CAPS)),
+    *scenarios(
+        process_group_and_device_mesh_decide_who_averages,
+        process_group_and_device_mesh_together_are_refused,
+        group_and_process_group_together_are_refused,
+    ),
+    *cases(argument_error, "case", list(ARGUMENT_ERRORS)),
+    *scenarios(
+        set_static_graph_with_a_window_pending_is_refused,
+        devices_none_empty_and_dim_as_ddp_accept,
+        buffer_sync_arguments,
+        ddp_ignore_list_is_neither_reduced_nor_broadcast,
+        delayed_all_reduce_is_launched_last,
+        ddp_mixed_precision_reduce_dtype_is_the_wire_dtype,
+        check_reduction_warns_deprecated,
+    ),
+    *cases(torch_comm_hook_runs_unchanged, "hook", ["allreduce", "fp16"]),
+    *scenarios(
+        set_static_graph_handles_a_layer_checkpointed_twice,
+        fsdp2_verbs_switch_wrappers_with_one_line,
+    ),
+]

@@ -1,11 +1,10 @@
-"""Rank bodies: ``DataParallel.join()`` on uneven inputs against torch DDP's ``join()``.
+"""Scenarios: ``DataParallel.join()`` on uneven inputs against torch DDP's ``join()``.
 
 One launch at world 3; the world-2 cases run on ranks 0 and 1 over a subgroup (rank
 2 sits them out), so ``process_group=`` is exercised as well. Rank ``r`` trains on
-``1 + 2r`` batches. Every case returns numbers: parameter differences against
-torch DDP given the same batches, collective counts from the event log and from a
-counting comm hook on torch DDP, the event-log signature (compared across ranks by
-the test), or "ok" for a refusal whose message was checked.
+``1 + 2r`` batches. Each scenario checks parameter differences against torch DDP
+given the same batches, collective counts from the event log and from a counting
+comm hook on torch DDP, the event-log signature across ranks, or a refusal's message.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cadence
 from cadence.data_parallel import comm_hooks
-from cadence.testing import max_abs_diff, run_subtests
-from tests.dp.common import expect_error
+from cadence.testing import max_abs_diff
+from tests._scenarios import Scenario, assert_raises, cases
 
 WIDTH = 8
 
@@ -108,19 +107,31 @@ def _models(
     return [dp, ddp, counting], ddp_calls, dp_calls
 
 
-def _parity(
-    world: int,
-    buffers: bool,
-    find_unused: bool,
-    divide: bool,
-    *,
-    groups: dict[int, dist.ProcessGroup | None],
-    hook: str | None = None,
-) -> dict[str, Any] | None:
+_GROUPS: dict[int, dist.ProcessGroup | None] = {}
+
+
+def _groups() -> dict[int, dist.ProcessGroup | None]:
+    """World size -> its group: ranks 0 and 1 for 2, the default group for 3.
+
+    Made once per process, by the first scenario that needs it (on every rank).
+    """
+    if not _GROUPS:
+        _GROUPS.update({2: dist.new_group([0, 1]), 3: None})
+    return _GROUPS
+
+
+def _gather(value: Any, pg: dist.ProcessGroup | None) -> list[Any]:
+    everyone: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, value, group=pg)
+    return everyone
+
+
+def _train_joined(
+    world: int, buffers: bool, find_unused: bool, divide: bool, hook: str | None = None
+) -> dict[str, Any]:
+    """Train cadence and torch DDP under ``join()``; what the checks need (participants only)."""
     rank = dist.get_rank()
-    if rank >= world:
-        return None
-    pg = groups[world]
+    pg = _groups()[world]
     log = cadence.EventLog()
     models, ddp_calls, dp_calls = _models(
         pg, hook=hook, log=log, forward_sync_buffers=buffers, find_unused_parameters=find_unused
@@ -148,14 +159,78 @@ def _parity(
     }
 
 
-def _throw(world: int, *, groups: dict[int, dist.ProcessGroup | None]) -> dict[str, Any] | None:
-    """throw_on_early_termination: every rank raises when rank 0 runs out (after 1 step)."""
+def parity_with_ddp_join(
+    world: int, buffers: bool, find_unused: bool, divide: bool, hook: str | None = None
+) -> None:
+    """Same parameters and buffers as torch DDP's join(), and the same collectives."""
+    pg = _groups()[world]
+    if dist.get_rank() >= world:
+        return
+    r = _train_joined(world, buffers, find_unused, divide, hook)
+    assert r["vs_ddp"] <= 1e-6, f"differs from torch DDP by {r['vs_ddp']:.3e}"
+    # Every rank, active or joined, issues one all-reduce per bucket per step of the rank
+    # with the most batches, as DDP (counted by its comm hook).
+    steps = r["max_batches"] * r["num_buckets"]
+    counts = {k: v for k, v in r.items() if isinstance(v, int)}
+    if hook is not None:  # counted by the hooks (torch's bypasses the event log)
+        assert r["dp_hook_calls"] == r["ddp_hook_calls"] == steps, counts
+    if hook != "torch":
+        assert r["grad_all_reduces"] == r["ddp_hook_calls"] == steps, counts
+    assert r["used_map_all_reduces"] == (r["max_batches"] if find_unused else 0), counts
+    # Per step: the sync flag, plus the source-rank pick with buffers; then one
+    # source-rank pick for the final model broadcast.
+    per_step = 2 if buffers else 1
+    assert r["join_all_reduces"] == r["max_batches"] * per_step + 1, counts
+    everyone = _gather(r, pg)
+    assert len(everyone) == world, f"{len(everyone)} participants"
+    first = everyone[0]
+    # Joined ranks shadowed exactly the active ranks' collectives.
+    assert r["signature"] == first["signature"], (r["signature"], first["signature"])
+    # The final model is the same on every rank (buffers too when broadcast).
+    assert torch.equal(r["params"], first["params"]), "parameters differ across ranks"
+    if buffers:
+        assert torch.equal(r["buffers"], first["buffers"]), "buffers differ across ranks"
+
+
+def _grid(**axes: list[Any]) -> list[dict[str, Any]]:
+    combos: list[dict[str, Any]] = [{}]
+    for key, values in axes.items():
+        combos = [{**c, key: v} for c in combos for v in values]
+    return combos
+
+
+def _label(case: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in case.items())
+
+
+PARITY = _grid(world=[2, 3], buffers=[True, False], find_unused=[False, True], divide=[True, False])
+HOOKS = _grid(
+    world=[2, 3],
+    buffers=[True],
+    find_unused=[False, True],
+    divide=[True],
+    hook=["torch", "cadence"],
+)
+
+
+def divide_by_initial_world_size_changes_the_result() -> None:
+    """Not a vacuous flag: averaging over the active ranks gives other parameters."""
+    a = _train_joined(3, True, False, True)["params"]
+    b = _train_joined(3, True, False, False)["params"]
+    diff = float((a - b).abs().max())
+    assert diff > 1e-4, f"divide_by_initial_world_size=False changed parameters by {diff:.3e}"
+
+
+def throw_on_early_termination(world: int) -> None:
+    """Every rank raises when rank 0 runs out (after the one step they all had), as DDP."""
     rank = dist.get_rank()
+    pg = _groups()[world]
     if rank >= world:
-        return None
+        return
     log = cadence.EventLog()
-    dp, ddp, _ = _models(groups[world], hook=None, log=log)[0]
-    out: dict[str, Any] = {}
+    dp, ddp, _ = _models(pg, hook=None, log=log)[0]
+    raised: dict[str, str] = {}
+    steps: dict[str, int] = {}
     for name, m in (("dp", dp), ("ddp", ddp)):
         opt = torch.optim.SGD(m.parameters(), lr=0.05)
         done = 0
@@ -167,20 +242,25 @@ def _throw(world: int, *, groups: dict[int, dist.ProcessGroup | None]) -> dict[s
                     opt.step()
                     opt.zero_grad()
                     done += 1
-            out[f"{name}_raised"] = ""
+            raised[name] = ""
         except RuntimeError as exc:
-            out[f"{name}_raised"] = str(exc)
-        out[f"{name}_steps"] = done
-    out["vs_ddp"] = max_abs_diff(_state(dp), _state(ddp))
+            raised[name] = str(exc)
+        steps[name] = done
+    assert steps["dp"] == steps["ddp"] == 1, steps
+    assert raised["dp"] and raised["ddp"], raised
+    expected = "exhausted all inputs" if rank == 0 else "exhausted inputs"
+    assert expected in raised["dp"], raised["dp"]
+    vs_ddp = max_abs_diff(_state(dp), _state(ddp))
+    assert vs_ddp <= 1e-6, f"differs from torch DDP by {vs_ddp:.3e}"
     # The join is over: a plain step issues no join bookkeeping and is not refused.
     before = log.count("all_reduce", group="dp.join")
     with dp.no_sync():
         F.mse_loss(dp(_batch(0, 9)[0]), _batch(0, 9)[1]).backward()
-    out["join_all_reduces_after"] = log.count("all_reduce", group="dp.join") - before
-    return out
+    after = log.count("all_reduce", group="dp.join") - before
+    assert after == 0, f"{after} join all-reduces after the join ended"
 
 
-def _disabled() -> dict[str, Any]:
+def enable_false_is_a_no_op() -> None:
     """enable=False: a no-op context (even inputs); no_sync stays allowed inside it.
 
     Without forward buffer sync: torch DDP skips the buffer broadcast after a
@@ -197,15 +277,14 @@ def _disabled() -> dict[str, Any]:
                 F.mse_loss(m(_batch(rank, 0)[0]), _batch(rank, 0)[1]).backward()
             F.mse_loss(m(_batch(rank, 1)[0]), _batch(rank, 1)[1]).backward()
             opt.step()
-    return {
-        "vs_ddp": max_abs_diff(_state(dp), _state(ddp)),
-        "join_all_reduces": log.count("all_reduce", group="dp.join"),
-        "grad_all_reduces": log.count("all_reduce", group="dp"),
-        "ddp_hook_calls": len(ddp_calls),
-    }
+    vs_ddp = max_abs_diff(_state(dp), _state(ddp))
+    assert vs_ddp <= 1e-6, f"differs from torch DDP by {vs_ddp:.3e}"
+    assert log.count("all_reduce", group="dp.join") == 0, log.counts()
+    grads = log.count("all_reduce", group="dp")
+    assert grads == len(ddp_calls) == 1, (grads, len(ddp_calls))
 
 
-def _generic_zero() -> dict[str, Any]:
+def generic_join_with_zero_redundancy_optimizer() -> None:
     """``Join([model, ZeroRedundancyOptimizer])``, torch's generic form, against DDP's."""
     rank = dist.get_rank()
     log = cadence.EventLog()
@@ -215,12 +294,12 @@ def _generic_zero() -> dict[str, Any]:
         opt = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.SGD, lr=0.05)
         with Join([m, opt], divide_by_initial_world_size=False):
             _train_steps(m, opt, _num_batches(rank), find_unused=False)
-    return {
-        "vs_ddp": max_abs_diff(_state(dp), _state(ddp)),
-        "params": torch.cat([p.detach().reshape(-1) for p in dp.parameters()]),
-        "grad_all_reduces": log.count("all_reduce", group="dp"),
-        "ddp_hook_calls": len(ddp_calls),
-    }
+    vs_ddp = max_abs_diff(_state(dp), _state(ddp))
+    assert vs_ddp <= 1e-6, f"differs from torch DDP by {vs_ddp:.3e}"
+    grads = log.count("all_reduce", group="dp")
+    assert grads == len(ddp_calls) == 5, (grads, len(ddp_calls))
+    params = torch.cat([p.detach().reshape(-1) for p in dp.parameters()])
+    assert torch.equal(params, _gather(params, None)[0]), "parameters differ from rank 0's"
 
 
 def _inside_join(dp: cadence.DataParallel, action: Callable[[], Any]) -> Callable[[], None]:
@@ -231,107 +310,151 @@ def _inside_join(dp: cadence.DataParallel, action: Callable[[], Any]) -> Callabl
     return run
 
 
-def _refusals() -> dict[str, str]:
-    """Each setting joined ranks cannot shadow, refused before any collective."""
+def _fresh(log: cadence.EventLog, **kwargs: Any) -> cadence.DataParallel:
+    return cadence.DataParallel(_Net(), event_log=log, **kwargs)
+
+
+def _refused(build: Callable[[cadence.EventLog], Callable[[], Any]], *fragments: str) -> None:
+    """``build(log)()`` raises naming ``fragments``, before any collective of its own."""
     log = cadence.EventLog()
+    refused = build(log)
+    log.clear()
+    assert_raises(refused, *fragments)
+    assert log.count("all_reduce") == 0, f"the refusal issued collectives: {log.counts()}"
 
-    def fresh(**kwargs: Any) -> cadence.DataParallel:
-        return cadence.DataParallel(_Net(), event_log=log, **kwargs)
 
-    out: dict[str, str] = {}
-    dp = fresh()
+def refused_join_leaves_no_join_mode_behind() -> None:
+    log = cadence.EventLog()
+    dp = _fresh(log)
     dp.require_manual_backward_finalization = True
-    out["manual"] = expect_error(dp.join, "require_manual_backward_finalization=True", "False")
+    assert_raises(dp.join, "require_manual_backward_finalization=True")
     # The refused join() left no join mode behind: a plain step has no join bookkeeping.
     dp.require_manual_backward_finalization = False
     dp(_batch(0, 0)[0]).sum().backward()
-    out["left_after_refusal"] = (
-        "ok" if log.count(group="dp.join") == 0 else f"join bookkeeping: {log.counts()}"
-    )
-    dp = fresh()
-    out["manual_inside"] = expect_error(
-        _inside_join(dp, lambda: dp.set_manual_backward_finalization(True)),
-        "require_manual_backward_finalization=True inside DataParallel.join()",
-    )
-    out["static_graph"] = expect_error(fresh(static_graph=True).join, "static_graph=True")
-    dp = fresh()
-    out["set_static_graph_inside"] = expect_error(
-        _inside_join(dp, dp._set_static_graph), "_set_static_graph() inside"
-    )
-    dp = fresh()
-    out["no_sync_inside"] = expect_error(
-        _inside_join(dp, lambda: dp.no_sync().__enter__()),
-        "no_sync() inside",
-        "accumulate gradients outside the join context",
-    )
-    dp = fresh()
-    out["grad_sync_off_inside"] = expect_error(
-        _inside_join(dp, lambda: setattr(dp, "require_backward_grad_sync", False)),
-        "turning gradient sync off inside",
-    )
-    dp = fresh()
+    assert log.count(group="dp.join") == 0, f"join bookkeeping: {log.counts()}"
+    assert log.count("all_reduce") == 1, f"one plain step: {log.counts()}"
+
+
+def _manual(log: cadence.EventLog) -> Callable[[], Any]:
+    dp = _fresh(log)
+    dp.require_manual_backward_finalization = True
+    return dp.join
+
+
+def _manual_inside(log: cadence.EventLog) -> Callable[[], None]:
+    dp = _fresh(log)
+    return _inside_join(dp, lambda: dp.set_manual_backward_finalization(True))
+
+
+def _set_static_graph_inside(log: cadence.EventLog) -> Callable[[], None]:
+    dp = _fresh(log)
+    return _inside_join(dp, dp._set_static_graph)
+
+
+def _no_sync_inside(log: cadence.EventLog) -> Callable[[], None]:
+    dp = _fresh(log)
+    return _inside_join(dp, lambda: dp.no_sync().__enter__())
+
+
+def _grad_sync_off_inside(log: cadence.EventLog) -> Callable[[], None]:
+    dp = _fresh(log)
+    return _inside_join(dp, lambda: setattr(dp, "require_backward_grad_sync", False))
+
+
+def _grad_sync_off_at_entry(log: cadence.EventLog) -> Callable[[], Any]:
+    dp = _fresh(log)
     dp.require_backward_grad_sync = False
-    out["grad_sync_off_at_entry"] = expect_error(dp.join, "gradient sync is off")
-    dp = fresh()
-    with dp.no_sync():
-        out["no_sync_at_entry"] = expect_error(dp.join, "gradient sync is off")
-    dp = fresh()
-    out["split_backward_inside"] = expect_error(
-        _inside_join(dp, lambda: dp.split_backward("weight").__enter__()),
-        "split_backward() inside",
-    )
-    out["unknown_option"] = expect_error(
-        lambda: Join([fresh()], divide_by_initial_world_size=True, gradient_scale=2),
-        "gradient_scale",
-        "divide_by_initial_world_size only",
-    )
-    dp = fresh()
+    return dp.join
+
+
+def _no_sync_at_entry(log: cadence.EventLog) -> Callable[[], None]:
+    dp = _fresh(log)
+
+    def run() -> None:
+        # Refused inside the no_sync context; the context then exits normally.
+        caught: list[cadence.CadenceError] = []
+        with dp.no_sync():
+            try:
+                dp.join()
+            except cadence.CadenceError as exc:
+                caught.append(exc)
+        if caught:
+            raise caught[0]
+
+    return run
+
+
+def _split_backward_inside(log: cadence.EventLog) -> Callable[[], None]:
+    dp = _fresh(log)
+    return _inside_join(dp, lambda: dp.split_backward("weight").__enter__())
+
+
+def _divide_not_first(log: cadence.EventLog) -> Callable[[], None]:
+    dp = _fresh(log)
     opt = ZeroRedundancyOptimizer(dp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
 
     def not_first() -> None:
         with Join([opt, dp], divide_by_initial_world_size=False):
             dp(_batch(0, 0)[0])
 
-    out["divide_not_first"] = expect_error(not_first, "first joinable", "Join([model, optimizer")
-    dp = fresh()
+    return not_first
+
+
+def _divide_with_comm_hook(log: cadence.EventLog) -> Callable[[], Any]:
+    dp = _fresh(log)
     dp.register_comm_hook(None, default_hooks.allreduce_hook)
-    out["divide_with_comm_hook"] = expect_error(
-        lambda: dp.join(divide_by_initial_world_size=False), "with a comm hook", "Pass True"
-    )
-    # Every refusal above was raised before any collective of its own.
-    grads = log.count("all_reduce", group="dp")  # the one plain step above
-    out["no_collectives"] = (
-        "ok"
-        if log.count("all_reduce") == grads == 1
-        else f"refusals issued collectives: {log.counts()}"
-    )
-    return out
+    return lambda: dp.join(divide_by_initial_world_size=False)
 
 
-def join_suite() -> dict[str, Any]:
-    pair = dist.new_group([0, 1])
-    groups: dict[int, dist.ProcessGroup | None] = {2: pair, 3: None}
-    grid = {
-        "world": [2, 3],
-        "buffers": [True, False],
-        "find_unused": [False, True],
-        "divide": [True, False],
-    }
-    return {
-        "parity": run_subtests(grid, _parity, groups=groups),
-        "hooks": run_subtests(
-            {
-                "world": [2, 3],
-                "buffers": [True],
-                "find_unused": [False, True],
-                "divide": [True],
-                "hook": ["torch", "cadence"],
-            },
-            _parity,
-            groups=groups,
+# Each setting joined ranks cannot shadow: name -> (build the refused call, message fragments).
+REFUSALS: dict[str, tuple[Callable[[cadence.EventLog], Callable[[], Any]], tuple[str, ...]]] = {
+    "manual": (_manual, ("require_manual_backward_finalization=True", "False")),
+    "manual_inside": (
+        _manual_inside,
+        ("require_manual_backward_finalization=True inside DataParallel.join()",),
+    ),
+    "static_graph": (lambda log: _fresh(log, static_graph=True).join, ("static_graph=True",)),
+    "set_static_graph_inside": (_set_static_graph_inside, ("_set_static_graph() inside",)),
+    "no_sync_inside": (
+        _no_sync_inside,
+        ("no_sync() inside", "accumulate gradients outside the join context"),
+    ),
+    "grad_sync_off_inside": (_grad_sync_off_inside, ("turning gradient sync off inside",)),
+    "grad_sync_off_at_entry": (_grad_sync_off_at_entry, ("gradient sync is off",)),
+    "no_sync_at_entry": (_no_sync_at_entry, ("gradient sync is off",)),
+    "split_backward_inside": (_split_backward_inside, ("split_backward() inside",)),
+    "unknown_option": (
+        lambda log: (
+            lambda: Join([_fresh(log)], divide_by_initial_world_size=True, gradient_scale=2)
         ),
-        "throw": run_subtests({"world": [2, 3]}, _throw, groups=groups),
-        "disabled": _disabled(),
-        "generic_zero": _generic_zero(),
-        "refusals": _refusals(),
-    }
+        ("gradient_scale", "divide_by_initial_world_size only"),
+    ),
+    "divide_not_first": (_divide_not_first, ("first joinable", "Join([model, optimizer")),
+    "divide_with_comm_hook": (_divide_with_comm_hook, ("with a comm hook", "Pass True")),
+}
+
+
+def refused(setting: str) -> None:
+    """Refused before any collective, naming the setting and the fix."""
+    build, fragments = REFUSALS[setting]
+    _refused(build, *fragments)
+
+
+SCENARIOS = [
+    *(Scenario(f"parity_with_ddp_join-{_label(c)}", parity_with_ddp_join, c) for c in PARITY),
+    *(Scenario(f"parity_with_ddp_join-{_label(c)}", parity_with_ddp_join, c) for c in HOOKS),
+    Scenario(
+        divide_by_initial_world_size_changes_the_result.__name__,
+        divide_by_initial_world_size_changes_the_result,
+    ),
+    *cases(throw_on_early_termination, "world", [2, 3]),
+    Scenario(enable_false_is_a_no_op.__name__, enable_false_is_a_no_op),
+    Scenario(
+        generic_join_with_zero_redundancy_optimizer.__name__,
+        generic_join_with_zero_redundancy_optimizer,
+    ),
+    *cases(refused, "setting", list(REFUSALS)),
+    Scenario(
+        refused_join_leaves_no_join_mode_behind.__name__, refused_join_leaves_no_join_mode_behind
+    ),
+]

@@ -1,4 +1,8 @@
-"""Rank body: one scenario per DataParallel misuse error; each returns "ok" or what went wrong."""
+"""Scenarios: each DataParallel misuse raises an error naming the cause and the fix.
+
+Each scenario builds its own wrapper (tiny buckets, manual finalization unless it
+says otherwise) and asserts what it checks; `SCENARIOS` is run by the world-2 launch.
+"""
 
 from __future__ import annotations
 
@@ -11,79 +15,86 @@ from torch import nn
 
 import cadence
 from cadence.testing import max_abs_diff, named_grads
-from tests.dp.common import (
-    TwoHeads,
-    expect_error,
-    global_batch,
-    local,
-    make_mlp,
-)
+from tests._scenarios import assert_raises, failure, scenarios
+from tests.dp.common import TwoHeads, global_batch, local, make_mlp
 
 
-def misuse() -> dict[str, str]:
-    """One scenario per misuse error; each returns 'ok' or what went wrong."""
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = global_batch(0, world)
-    xl, yl = local(x, rank, world), local(y, rank, world)
-    res: dict[str, str] = {}
+    return local(x, rank, world), local(y, rank, world)
 
-    def fresh(**kw: Any) -> cadence.DataParallel:
-        dp = cadence.DataParallel(make_mlp(), bucket_cap_mb=0.002, **kw)
-        dp.require_manual_backward_finalization = True
-        return dp
 
-    # Forward while a manual window is pending: raised before any collective.
-    dp = fresh(broadcast_buffers=True)
+def _fresh(**kw: Any) -> cadence.DataParallel:
+    dp = cadence.DataParallel(make_mlp(), bucket_cap_mb=0.002, **kw)
+    dp.require_manual_backward_finalization = True
+    return dp
+
+
+def forward_while_pending_raises_before_any_collective() -> None:
+    xl, yl = _batch()
+    dp = _fresh(broadcast_buffers=True)
     F.mse_loss(dp(xl), yl).backward()
     before = dp.event_log.count()
-    res["forward_pending"] = expect_error(lambda: dp(xl), "finalize_backward")
-    if dp.event_log.count() != before:
-        res["forward_pending"] = "a collective was issued before the error"
-    # optimizer.step() while pending.
+    assert_raises(lambda: dp(xl), "finalize_backward")
+    assert dp.event_log.count() == before, "a collective was issued before the error"
+    dp.finalize_backward()
+
+
+def optimizer_step_while_pending_raises() -> None:
+    xl, yl = _batch()
+    dp = _fresh(broadcast_buffers=True)
+    F.mse_loss(dp(xl), yl).backward()
     opt = torch.optim.SGD(dp.parameters(), lr=0.1)
     dp.register_optimizer(opt)
-    res["step_pending"] = expect_error(opt.step, "optimizer.step()", "finalize_backward")
-    # Second synced backward while pending.
+    assert_raises(opt.step, "optimizer.step()", "finalize_backward")
+    dp.finalize_backward()
+
+
+def second_synced_backward_while_pending_raises() -> None:
+    xl, yl = _batch()
+    dp = _fresh(broadcast_buffers=True)
+    F.mse_loss(dp(xl), yl).backward()
     dp.finalize_backward()
     l1 = F.mse_loss(dp(xl), yl)
     l1.backward(retain_graph=True)
-    res["second_backward"] = expect_error(lambda: l1.backward(), "finalize_backward")
+    assert_raises(lambda: l1.backward(), "finalize_backward")
     dp.finalize_backward()
-    # Finalize from a hook (inside backward) before every bucket launched.
-    dp2 = fresh()
-    handle_holder: list[str] = []
+
+
+def finalize_from_a_hook_before_every_bucket_launched_raises() -> None:
+    xl, yl = _batch()
+    dp = _fresh()
+    seen: list[str | None] = []
 
     class Probe(nn.Module):
         def forward(self, t: torch.Tensor) -> torch.Tensor:
             t = t * 1.0
             t.register_hook(
-                lambda g: handle_holder.append(
-                    expect_error(dp2.finalize_backward, "buckets have launched")
+                lambda g: seen.append(
+                    failure(lambda: assert_raises(dp.finalize_backward, "buckets have launched"))
                 )
             )
             return t
 
-    dp2.module.insert(2, Probe())
-    F.mse_loss(dp2(xl), yl).backward()
-    res["finalize_too_early"] = handle_holder[0] if handle_holder else "hook did not run"
-    dp2.finalize_backward()
-    # Setters during backward.
-    dp = fresh()
-    msgs: list[str] = []
+    dp.module.insert(2, Probe())
+    F.mse_loss(dp(xl), yl).backward()
+    assert seen == [None], f"inside backward: {seen or 'the hook did not run'}"
+    dp.finalize_backward()
+
+
+def _in_backward(action: Any, *fragments: str) -> None:
+    """``action`` from a hook inside backward raises an error with ``fragments``."""
+    xl, yl = _batch()
+    dp = _fresh()
+    seen: list[str | None] = []
 
     class SetterProbe(nn.Module):
         def forward(self, t: torch.Tensor) -> torch.Tensor:
             t = t * 1.0
             t.register_hook(
-                lambda g: msgs.append(
-                    expect_error(lambda: dp.set_requires_gradient_sync(False), "inside backward")
-                )
-            )
-            t.register_hook(
-                lambda g: msgs.append(
-                    expect_error(
-                        lambda: dp.set_manual_backward_finalization(False), "inside backward"
-                    )
+                lambda g: seen.append(
+                    failure(lambda: assert_raises(lambda: action(dp), *fragments))
                 )
             )
             return t
@@ -91,34 +102,100 @@ def misuse() -> dict[str, str]:
     dp.module.insert(2, SetterProbe())
     F.mse_loss(dp(xl), yl).backward()
     dp.finalize_backward()
-    res["setter_in_backward"] = msgs[0] if msgs else "hook did not run"
-    res["manual_toggle_in_backward"] = msgs[1] if len(msgs) > 1 else "hook did not run"
-    # Handle: wait twice is fine; a second finalize before wait raises.
-    dp = fresh()
+    assert seen == [None], f"inside backward: {seen or 'the hook did not run'}"
+
+
+def set_requires_gradient_sync_inside_backward_raises() -> None:
+    _in_backward(lambda dp: dp.set_requires_gradient_sync(False), "inside backward")
+
+
+def set_manual_backward_finalization_inside_backward_raises() -> None:
+    _in_backward(lambda dp: dp.set_manual_backward_finalization(False), "inside backward")
+
+
+def _pending_handle() -> tuple[cadence.DataParallel, Any, torch.Tensor]:
+    xl, yl = _batch()
+    dp = _fresh()
     F.mse_loss(dp(xl), yl).backward()
     h = dp.finalize_backward(async_op=True)
-    assert h is not None
-    res["second_finalize_before_wait"] = expect_error(dp.finalize_backward, "wait on the previous")
-    res["forward_before_wait"] = expect_error(lambda: dp(xl), "handle.wait()")
+    assert h is not None, "finalize_backward(async_op=True) returned no handle"
+    return dp, h, xl
+
+
+def second_finalize_before_wait_raises() -> None:
+    dp, h, _ = _pending_handle()
+    assert_raises(dp.finalize_backward, "wait on the previous")
+    h.wait()
+
+
+def forward_before_wait_raises() -> None:
+    dp, h, xl = _pending_handle()
+    assert_raises(lambda: dp(xl), "handle.wait()")
+    h.wait()
+
+
+def wait_twice_is_idempotent() -> None:
+    dp, h, _ = _pending_handle()
     h.wait()
     g1 = {k: v.clone() for k, v in named_grads(dp).items() if v is not None}
     h.wait()
     g2 = {k: v.clone() for k, v in named_grads(dp).items() if v is not None}
-    res["wait_idempotent"] = "ok" if max_abs_diff(g1, g2) == 0 and h.done else "grads changed"
-    res["finalize_nothing_pending"] = (
-        "ok" if dp.finalize_backward() is None else "returned a handle"
-    )
-    # A parameter without a gradient and no find_unused_parameters: error, no hang.
+    assert max_abs_diff(g1, g2) == 0, "a second wait changed the gradients"
+    assert h.done, "the handle is not done after wait()"
+
+
+def finalize_with_nothing_pending_returns_none() -> None:
+    dp, h, _ = _pending_handle()
+    h.wait()
+    got = dp.finalize_backward()
+    assert got is None, f"returned {got!r}"
+
+
+def _unused_failed() -> tuple[cadence.DataParallel, torch.Tensor, torch.Tensor]:
+    """A wrapper whose backward raised for a parameter without a gradient."""
+    xl, yl = _batch()
     dpu = cadence.DataParallel(TwoHeads())
-    res["missing_grad"] = expect_error(
+    assert_raises(
         lambda: F.mse_loss(dpu(xl), yl).backward(), "b.weight", "find_unused_parameters=True"
     )
-    res["failed_state"] = expect_error(lambda: dpu(xl), "reset_iter_state()")
+    return dpu, xl, yl
+
+
+def missing_grad_without_find_unused_raises_instead_of_hanging() -> None:
+    _unused_failed()
+
+
+def forward_after_a_failed_backward_raises_until_reset() -> None:
+    dpu, xl, _ = _unused_failed()
+    assert_raises(lambda: dpu(xl), "reset_iter_state()")
+
+
+def reset_iter_state_recovers_after_a_failed_backward() -> None:
+    dpu, xl, yl = _unused_failed()
     dpu.reset_iter_state()
     dpu.module.use_b = True
     F.mse_loss(dpu(xl), yl).backward()
-    res["after_reset"] = "ok" if dpu.module.a.weight.grad is not None else "no grad after reset"
-    # Mismatched models across ranks: clear error at construction.
-    other = make_mlp(depth=4 if rank == 0 else 3)
-    res["mismatch"] = expect_error(lambda: cadence.DataParallel(other), "different parameters")
-    return res
+    assert dpu.module.a.weight.grad is not None, "no grad after reset"
+
+
+def models_differing_across_ranks_raise_at_construction() -> None:
+    other = make_mlp(depth=4 if dist.get_rank() == 0 else 3)
+    assert_raises(lambda: cadence.DataParallel(other), "different parameters")
+
+
+SCENARIOS = scenarios(
+    forward_while_pending_raises_before_any_collective,
+    optimizer_step_while_pending_raises,
+    second_synced_backward_while_pending_raises,
+    finalize_from_a_hook_before_every_bucket_launched_raises,
+    set_requires_gradient_sync_inside_backward_raises,
+    set_manual_backward_finalization_inside_backward_raises,
+    second_finalize_before_wait_raises,
+    forward_before_wait_raises,
+    wait_twice_is_idempotent,
+    finalize_with_nothing_pending_returns_none,
+    missing_grad_without_find_unused_raises_instead_of_hanging,
+    forward_after_a_failed_backward_raises_until_reset,
+    reset_iter_state_recovers_after_a_failed_backward,
+    models_differing_across_ranks_raise_at_construction,
+)

@@ -1,4 +1,4 @@
-"""Rank bodies: nn.Module methods applied to a model after DataParallel wrapped it.
+"""Scenarios: nn.Module methods applied to a model after DataParallel wrapped it.
 
 Honoured methods must train exactly like one process on the global batch (starting
 from the values the method left), with every buffer still broadcast from rank 0.
@@ -9,7 +9,6 @@ parameter) and the fix, before anything changed where the wrapper is called.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import cadence
-from cadence.testing import max_abs_diff, run_subtests
-from tests._outcome import recorded
-from tests.dp.common import WIDTH, expect_error, global_batch, local, strip
+from cadence.testing import max_abs_diff
+from tests._scenarios import Scenario, assert_raises, cases, scenarios
+from tests.dp.common import WIDTH, global_batch, local, strip
 
-__all__ = ["HONOURED", "REFUSED", "module_methods_body"]
+__all__ = ["HONOURED", "REFUSED", "SCENARIOS"]
 
 STEPS = 3
 
@@ -144,8 +143,13 @@ def _spread(model: nn.Module) -> float:
     return worst
 
 
-def _honoured(method: str, after_a_step: bool) -> dict[str, Any]:
-    """The method on the wrapper, rank 1's buffer drifted, then training vs one process."""
+def honoured(method: str, order: str) -> None:
+    """The method on the wrapper, rank 1's buffer drifted, then training vs one process.
+
+    Training matches one process on the global batch (from the values the method left),
+    and parameters and buffers are equal on every rank.
+    """
+    after_a_step = order == "after_a_step"
     rank = dist.get_rank()
     dp = cadence.DataParallel(make_model())
     opt = torch.optim.SGD([p for p in dp.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
@@ -168,49 +172,70 @@ def _honoured(method: str, after_a_step: bool) -> dict[str, Any]:
     HONOURED[method](ref)
     ref.load_state_dict(start)
     _steps(ref, ref_opt, range(1, STEPS + 1))
-    return {
-        "losses": losses,
-        "vs_single": max_abs_diff(_state(dp), _state(ref)),
-        "spread": _spread(dp),
-    }
+    assert losses[0] != losses[-1], f"it does not train: losses {losses}"
+    vs_single = max_abs_diff(_state(dp), _state(ref))
+    assert vs_single <= TOL, f"differs from one process by {vs_single:.3e}"
+    spread = _spread(dp)
+    assert spread == 0.0, f"parameters or buffers differ across ranks by {spread}"
 
 
-def _refused(method: str) -> dict[str, Any]:
-    fn, where, fragments = REFUSED[method]
+def _refused_setup() -> tuple[cadence.DataParallel, torch.optim.Optimizer]:
     dp = cadence.DataParallel(make_model())
     opt = torch.optim.SGD([p for p in dp.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     _steps(dp, opt, range(1))
+    return dp, opt
+
+
+def refused_before_anything_changes(method: str) -> None:
+    """Refused by the call itself, naming the method and the fix; training then continues."""
+    fn, where, fragments = REFUSED[method]
+    assert where == "call", where
+    dp, opt = _refused_setup()
     before = _state(dp)
-    out: dict[str, Any] = {}
-    if where == "call":
-        out["message"] = expect_error(lambda: fn(dp), *fragments)
-        out["unchanged"] = max_abs_diff(_state(dp), before) == 0.0 and all(
-            str(v.dtype) == str(before[k].dtype) for k, v in _state(dp).items()
-        )
-        # Nothing changed, so training simply continues.
-        _steps(dp, opt, range(1, STEPS))
-        out["spread_after"] = _spread(dp)
-    else:
-        fn(dp)
-        out["message"] = expect_error(lambda: _steps(dp, opt, range(1, 2)), *fragments)
-    return out
+    assert_raises(lambda: fn(dp), *fragments)
+    after = _state(dp)
+    assert max_abs_diff(after, before) == 0.0, "values changed"
+    dtypes = {k: (str(before[k].dtype), str(v.dtype)) for k, v in after.items()}
+    assert all(a == b for a, b in dtypes.values()), f"dtypes changed: {dtypes}"
+    # Nothing changed, so training simply continues.
+    _steps(dp, opt, range(1, STEPS))
+    spread = _spread(dp)
+    assert spread == 0.0, f"parameters or buffers differ across ranks by {spread}"
 
 
-def _isinstance() -> dict[str, Any]:
+def refused_by_the_next_step(method: str) -> None:
+    """A change on the inner module: the next step raises, naming the parameter and the fix."""
+    fn, where, fragments = REFUSED[method]
+    assert where == "step", where
+    dp, opt = _refused_setup()
+    fn(dp)
+    assert_raises(lambda: _steps(dp, opt, range(1, 2)), *fragments)
+
+
+def not_a_torch_ddp_instance() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     dp = cadence.DataParallel(make_model())
-    return {"is_ddp": isinstance(dp, DistributedDataParallel)}
+    assert not isinstance(dp, DistributedDataParallel), "a DistributedDataParallel instance"
 
 
-def module_methods_body() -> dict[str, Any]:
-    return {
-        "honoured": run_subtests(
-            {"method": list(HONOURED), "order": ["before_training", "after_a_step"]},
-            lambda method, order: recorded(_honoured, method, order == "after_a_step"),
-        ),
-        "refused": run_subtests(
-            {"method": list(REFUSED)}, lambda method: recorded(_refused, method)
-        ),
-        "isinstance": recorded(_isinstance),
-    }
+TOL = 1e-6
+
+SCENARIOS = [
+    *(
+        Scenario(f"honoured-{method}-{order}", honoured, {"method": method, "order": order})
+        for method in HONOURED
+        for order in ("before_training", "after_a_step")
+    ),
+    *cases(
+        refused_before_anything_changes,
+        "method",
+        [m for m, (_, where, _) in REFUSED.items() if where == "call"],
+    ),
+    *cases(
+        refused_by_the_next_step,
+        "method",
+        [m for m, (_, where, _) in REFUSED.items() if where == "step"],
+    ),
+    *scenarios(not_a_torch_ddp_instance),
+]

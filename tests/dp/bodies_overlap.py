@@ -1,4 +1,4 @@
-"""Rank bodies for the two overlap patterns; the models come from ``examples/``.
+"""Scenarios for the two overlap patterns; the models come from ``examples/``.
 
 Module level, so `run_distributed` ships them by reference. The example modules
 are imported from their folder (it is not a package), which every rank can do
@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cadence.testing import max_abs_diff, named_grads, named_params
+from tests._scenarios import scenarios
 from tests.dp.common import strip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -29,7 +30,7 @@ def _dense_grad(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else (t.to_dense() if t.is_sparse else t)
 
 
-def pattern_a() -> dict[str, Any]:
+def _pattern_a() -> dict[str, Any]:
     """Pattern (a) for STEPS steps: event order per step, grads and params against the oracle."""
     world = dist.get_world_size()
     tr = ex_a.Trainer()
@@ -68,8 +69,31 @@ def pattern_a() -> dict[str, Any]:
     return out
 
 
-def pattern_a_auto_contrast() -> dict[str, Any]:
-    """Auto mode, same step: the dense all-reduces are already waited when backward returns."""
+def a_dense_all_reduce_in_flight_across_the_sparse_work() -> None:
+    r = _pattern_a()
+    n = r["buckets"]
+    assert n >= 2, "the example should have several buckets"
+    for step, o in enumerate(r["order"]):
+        # Backward issued every bucket (by log order and clock) before the sparse
+        # work began; finalize issued none.
+        assert o["issued"] == n, f"step {step}: {o}, {n} buckets"
+        assert o["issued_before_start"] == n, f"step {step}: {o}, {n} buckets"
+        assert o["seq_before_start"] == n, f"step {step}: {o}, {n} buckets"
+        # And none was waited before the sparse work had finished.
+        assert o["waited_after_end"] == n, f"step {step}: {o}, {n} buckets"
+
+
+def a_matches_single_process_reference() -> None:
+    r = _pattern_a()
+    assert r["grad"] < 1e-6, f"grads differ by {r['grad']:.3e}"
+    assert r["param"] < 1e-6, f"params differ by {r['param']:.3e}"
+
+
+def a_auto_mode_waits_before_the_sparse_work() -> None:
+    """Auto mode, same step: the dense all-reduces are already waited when backward returns.
+
+    The contrast that motivates manual mode.
+    """
     tr = ex_a.Trainer()
     tr.dp.require_manual_backward_finalization = False
     ids, x, y = tr.local_batch(0)
@@ -77,15 +101,11 @@ def pattern_a_auto_contrast() -> dict[str, Any]:
     tr.log.mark("sparse_start")
     dense = tr.log.collectives("all_reduce", group="dp")
     start = tr.log.marks("sparse_start")[0]
-    return {
-        "issued": len(dense),
-        "waited_before_start": sum(
-            e.wait_end_t is not None and e.wait_end_t < start.issue_t for e in dense
-        ),
-    }
+    waited = sum(e.wait_end_t is not None and e.wait_end_t < start.issue_t for e in dense)
+    assert waited == len(dense) > 0, f"{waited} of {len(dense)} waited before the sparse work"
 
 
-def pattern_b() -> dict[str, Any]:
+def _pattern_b() -> dict[str, Any]:
     """Pattern (b): finalize + dense step from a backward hook; params against the oracle."""
     world = dist.get_world_size()
     tr = ex_b.InBackwardTrainer()
@@ -108,7 +128,22 @@ def pattern_b() -> dict[str, Any]:
     }
 
 
-def pattern_b_too_early() -> dict[str, Any]:
+def b_finalize_and_step_run_inside_backward() -> None:
+    r = _pattern_b()
+    records = r["records"]
+    assert len(records) == STEPS, records
+    assert all(rec["in_backward"] and rec["stepped"] for rec in records), records
+    # Last step's marks: the dense step happened before backward returned.
+    assert r["mark_order"] == ["dense_step_in_backward", "backward_end"], r["mark_order"]
+    assert r["state_after"] == "idle", r["state_after"]
+
+
+def b_matches_single_process_reference() -> None:
+    r = _pattern_b()
+    assert r["param"] < 1e-6, f"params differ by {r['param']:.3e}"
+
+
+def b_hook_before_every_bucket_launched_raises() -> None:
     """A hook between two wrapped layers runs before every bucket launched: it must raise."""
     tr = ex_b.InBackwardTrainer()
     caught: list[str] = []
@@ -129,14 +164,18 @@ def pattern_b_too_early() -> dict[str, Any]:
     ids, x, y = tr.local_batch(0)
     F.mse_loss(ex_a.forward(tr.bag, tr.dp, ids, x), y).backward()
     tr.dp.finalize_backward()  # after backward it is fine, and leaves nothing pending
-    return {"messages": caught, "buckets": tr.dp.num_buckets, "pending": tr.dp.pending}
+    n = tr.dp.num_buckets
+    assert len(caught) == 1, caught
+    assert "buckets have launched" in caught[0], caught[0]
+    assert f"of {n} buckets" in caught[0] and f"{n} of {n}" not in caught[0], (n, caught[0])
+    assert not tr.dp.pending, "finalize_backward() after backward left work pending"
 
 
-def run_all() -> dict[str, Any]:
-    # One launch for every body keeps the test file fast (process start-up dominates).
-    return {
-        "a": pattern_a(),
-        "a_auto": pattern_a_auto_contrast(),
-        "b": pattern_b(),
-        "b_early": pattern_b_too_early(),
-    }
+SCENARIOS = scenarios(
+    a_dense_all_reduce_in_flight_across_the_sparse_work,
+    a_auto_mode_waits_before_the_sparse_work,
+    a_matches_single_process_reference,
+    b_finalize_and_step_run_inside_backward,
+    b_matches_single_process_reference,
+    b_hook_before_every_bucket_launched_raises,
+)

@@ -1,9 +1,9 @@
-"""Rank bodies for `DataParallel.overlap_optimizer`; `overlap_optimizer_suite` runs them all.
+"""Scenarios for `DataParallel.overlap_optimizer`; one world-2 launch runs `SCENARIOS`.
 
-Each section trains the same model on the same batches twice, with the overlapped
-optimizer and with the plain ``backward(); step(); zero_grad()`` loop, and reports
-whether parameters and optimizer state are bitwise equal (``torch.equal``), plus the
-event order and the errors it checks.
+Most scenarios train the same model on the same batches twice, with the overlapped
+optimizer and with the plain ``backward(); step(); zero_grad()`` loop, and assert
+that parameters and optimizer state are bitwise equal (``torch.equal``); others
+assert the event order or the errors.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cadence
-from tests.dp.common import expect_error, global_batch, local, make_mlp
+from tests._scenarios import assert_raises, cases, scenarios
+from tests.dp.common import global_batch, local, make_mlp
 
 STEPS = 4
 MakeOpt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -108,24 +109,33 @@ def _run(
     return dp, opt, sched
 
 
-def _parity(make_opt: MakeOpt, plain_micro: Any = None, **kw: Any) -> dict[str, Any]:
+def _bitwise(
+    make_opt: MakeOpt,
+    plain_micro: Any = None,
+    *,
+    stepped_early: bool = True,
+    **kw: Any,
+) -> None:
+    """Overlapped and plain training end bitwise equal; buckets stepped early or not."""
     a, oa, _ = _run(make_opt, overlap=True, **kw)
     if plain_micro is not None:
         kw["micro"] = plain_micro
     b, ob, _ = _run(make_opt, overlap=False, **kw)
-    return {
-        "params": _same(_params(a), _params(b)),
-        "state": _equal_state(oa.state_dict(), ob.state_dict()),
-        "early_steps": len(a.event_log.marks("dp.optimizer_step")),
-    }
+    assert _same(_params(a), _params(b)), "parameters differ from the plain loop"
+    assert _equal_state(oa.state_dict(), ob.state_dict()), (
+        "optimizer state differs from the plain loop"
+    )
+    early = len(a.event_log.marks("dp.optimizer_step"))
+    assert (early > 0) is stepped_early, f"{early} buckets stepped early"
 
 
-def parity() -> dict[str, Any]:
-    return {label: _parity(make) for label, make in OPTIMIZERS.items()}
+def params_and_state_are_bitwise_the_plain_loops(optimizer: str) -> None:
+    _bitwise(OPTIMIZERS[optimizer])
 
 
-def accumulation() -> dict[str, Any]:
-    adam = OPTIMIZERS["adam,foreach"]
+def no_sync_accumulation_steps_nothing_early_and_matches() -> None:
+    stepped_in_no_sync: list[int] = []
+    counted: list[int] = []
 
     def with_no_sync(dp: cadence.DataParallel, step: int) -> None:
         with dp.no_sync():
@@ -136,44 +146,47 @@ def accumulation() -> dict[str, Any]:
         _loss(dp, step).backward()
         counted.append(len(dp.event_log.marks("dp.optimizer_step")))
 
+    _bitwise(OPTIMIZERS["adam,foreach"], micro=with_no_sync)
+    # The overlapped run's steps come first.
+    assert stepped_in_no_sync[:STEPS] == [0] * STEPS, stepped_in_no_sync
+
+
+def require_backward_grad_sync_accumulation_matches() -> None:
     def with_flag(dp: cadence.DataParallel, step: int) -> None:
         dp.require_backward_grad_sync = False
         _loss(dp, 100 + step).backward()
         dp.require_backward_grad_sync = True
         _loss(dp, step).backward()
 
-    stepped_in_no_sync: list[int] = []
-    counted: list[int] = []
-    out = {"no_sync": _parity(adam, micro=with_no_sync)}
-    out["stepped_in_no_sync"] = stepped_in_no_sync[:STEPS]
-    out["flag"] = _parity(adam, micro=with_flag)
-    return out
+    _bitwise(OPTIMIZERS["adam,foreach"], micro=with_flag)
 
 
-def mixed_precision() -> dict[str, Any]:
-    return {
-        "bf16_wire": _parity(OPTIMIZERS["adamw,foreach"], dp_kw={"reduce_dtype": torch.bfloat16}),
-        "bucket_view": _parity(OPTIMIZERS["sgd,single"], dp_kw={"gradient_as_bucket_view": True}),
-    }
+def bf16_wire_matches() -> None:
+    _bitwise(OPTIMIZERS["adamw,foreach"], dp_kw={"reduce_dtype": torch.bfloat16})
 
 
-def checkpoint() -> dict[str, Any]:
+def bucket_views_match() -> None:
+    _bitwise(OPTIMIZERS["sgd,single"], dp_kw={"gradient_as_bucket_view": True})
+
+
+def checkpoint_round_trip_saves_the_plain_state_and_resumes_bitwise() -> None:
     make = OPTIMIZERS["adam,single"]
     a, oa, sched = _run(make, overlap=True, steps=3)
     _, ob, _ = _run(make, overlap=False, steps=3)
-    out = {"state_after_3": _equal_state(oa.state_dict(), ob.state_dict())}
+    assert _equal_state(oa.state_dict(), ob.state_dict()), "state after 3 steps differs"
     saved = (a.state_dict(), oa.state_dict(), sched.state_dict())
     resumed, _, _ = _run(make, overlap=True, steps=2, start=saved, first=3)
     straight, _, _ = _run(make, overlap=False, steps=5)
-    out["resumed"] = _same(_params(resumed), _params(straight))
-    return out
+    assert _same(_params(resumed), _params(straight)), "resumed parameters differ"
 
 
-def clipping() -> dict[str, Any]:
-    make = OPTIMIZERS["sgd,foreach"]
-    out: dict[str, Any] = {"global_norm": _parity(make, clip=0.05)}
+def max_grad_norm_clips_by_the_global_norm_and_steps_nothing_early() -> None:
+    _bitwise(OPTIMIZERS["sgd,foreach"], clip=0.05, stepped_early=False)
+
+
+def a_clip_after_buckets_stepped_raises_naming_max_grad_norm() -> None:
     dp = _model()
-    opt = make(list(dp.parameters()))
+    opt = OPTIMIZERS["sgd,foreach"](list(dp.parameters()))
     dp.overlap_optimizer(opt)
     _loss(dp, 0).backward()
 
@@ -181,11 +194,10 @@ def clipping() -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(list(dp.parameters()), 0.05)
         opt.step()
 
-    out["user_clip"] = expect_error(clip_then_step, "max_grad_norm=", "were changed after")
-    return out
+    assert_raises(clip_then_step, "max_grad_norm=", "were changed after")
 
 
-def early_order() -> dict[str, Any]:
+def each_bucket_steps_while_the_next_is_in_flight_before_backward_returns() -> None:
     """Per bucket: stepped after its own wait, before the next bucket's wait and backward's end."""
     dp = _model()
     opt = OPTIMIZERS["sgd,foreach"](list(dp.parameters()))
@@ -199,93 +211,108 @@ def early_order() -> dict[str, Any]:
     ends = log.marks("backward_returned")[0].issue_t
     reduces = log.collectives("all_reduce", group="dp")
     steps = log.marks("dp.optimizer_step")
-    rows = []
+    assert dp.num_buckets >= 2, f"{dp.num_buckets} buckets"
+    stepped = [s.meta["bucket"] for s in steps]
+    assert stepped == list(range(dp.num_buckets)), f"buckets stepped: {stepped}"
     for s in steps:
         b = s.meta["bucket"]
         later = reduces[b + 1] if b + 1 < len(reduces) else None
-        rows.append(
-            {
-                "bucket": b,
-                "after_own_wait": reduces[b].wait_end_t <= s.issue_t,
-                "later_issued_not_waited": later is None
-                or (later.issue_t < s.issue_t < later.wait_start_t),
-                "before_backward_returned": s.issue_t < ends,
-            }
+        assert reduces[b].wait_end_t <= s.issue_t, f"bucket {b} stepped before its own wait"
+        assert later is None or (later.issue_t < s.issue_t < later.wait_start_t), (
+            f"bucket {b} stepped while the next one was not in flight"
         )
-    return {"buckets": dp.num_buckets, "rows": rows}
+        assert s.issue_t < ends, f"bucket {b} stepped after backward returned"
 
 
-def manual() -> dict[str, Any]:
-    make = OPTIMIZERS["adamw,single"]
-    marks_at: dict[str, list[int]] = {"finalize": [], "wait": [], "step": []}
+def _counter(dp: cadence.DataParallel) -> int:
+    return len(dp.event_log.marks("dp.optimizer_step"))
 
-    def counter(dp: cadence.DataParallel) -> int:
-        return len(dp.event_log.marks("dp.optimizer_step"))
+
+def _blocking(marks: list[tuple[int, int]]) -> Callable[[cadence.DataParallel, int], None]:
+    """A manual window finalized by ``finalize_backward()``; records (stepped, buckets)."""
 
     def blocking(dp: cadence.DataParallel, step: int) -> None:
         dp.require_manual_backward_finalization = True
         _loss(dp, step).backward()
-        n = counter(dp)
+        n = _counter(dp)
         dp.finalize_backward()
-        marks_at["finalize"].append(counter(dp) - n)
+        marks.append((_counter(dp) - n, dp.num_buckets))
+
+    return blocking
+
+
+def manual_finalize_backward_steps_every_bucket() -> None:
+    marks: list[tuple[int, int]] = []
+    _bitwise(OPTIMIZERS["adamw,single"], micro=_blocking(marks))
+    # The overlapped run's steps come first: finalize_backward() stepped every bucket.
+    assert len(marks) >= STEPS and all(stepped == n for stepped, n in marks[:STEPS]), marks
+
+
+def manual_handle_wait_steps_every_bucket() -> None:
+    marks: list[tuple[int, int]] = []
 
     def handle(dp: cadence.DataParallel, step: int) -> None:
         dp.require_manual_backward_finalization = True
         _loss(dp, step).backward()
-        n = counter(dp)
+        n = _counter(dp)
         h = dp.finalize_backward(async_op=True)
-        assert counter(dp) == n, "nothing is stepped before the handle is waited"
+        assert _counter(dp) == n, "nothing is stepped before the handle is waited"
         h.wait()
-        marks_at["wait"].append(counter(dp) - n)
+        marks.append((_counter(dp) - n, dp.num_buckets))
+
+    _bitwise(OPTIMIZERS["adamw,single"], micro=handle)
+    assert len(marks) >= STEPS and all(stepped == n for stepped, n in marks[:STEPS]), marks
+
+
+def manual_window_left_pending_is_finalized_by_opt_step() -> None:
+    marks: list[tuple[int, int]] = []
 
     def left_to_step(dp: cadence.DataParallel, step: int) -> None:
         dp.require_manual_backward_finalization = True
         _loss(dp, step).backward()
-        marks_at["step"].append(counter(dp))  # opt.step() finalizes it
+        marks.append((_counter(dp), dp.num_buckets))  # opt.step() finalizes it
 
-    return {
-        "blocking": _parity(make, micro=blocking),
-        "handle": _parity(make, micro=handle),
-        "opt_step_finalizes": _parity(make, micro=left_to_step, plain_micro=blocking),
-        "marks_at": marks_at,
-    }
+    _bitwise(OPTIMIZERS["adamw,single"], micro=left_to_step, plain_micro=_blocking([]))
+    # Nothing stepped by backward: each step's buckets were stepped by the opt.step() before.
+    assert len(marks) == STEPS, marks
+    assert [stepped for stepped, _ in marks] == [n * k for k, (_, n) in enumerate(marks)], marks
 
 
-def hooks_and_scheduler() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for when in ("before", "after"):
-        dp = _model()
-        opt = OPTIMIZERS["adam,foreach"](list(dp.parameters()))
-        calls: list[str] = []
-        opt.register_step_pre_hook(lambda *_, c=calls: c.append("pre"))
-        opt.register_step_post_hook(lambda *_, c=calls: c.append("post"))
-        dp.register_optimizer(opt)  # its pre-hook does not refuse the overlapped step
-        if when == "before":
-            sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
-            dp.overlap_optimizer(opt)
-        else:
-            dp.overlap_optimizer(opt)
-            sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
-        lrs = []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for step in range(3):
-                lrs.append(opt.param_groups[0]["lr"])
-                _loss(dp, step).backward()
-                calls.append("backward_returned")
-                opt.step()
-                opt.zero_grad()
-                sched.step()
-            before = _params(dp)
-            opt.step()  # nothing to do: no gradients
-            calls.append("empty_step_returned")
-        out[when] = {
-            "calls": calls,
-            "lrs": lrs,
-            "warnings": [str(w.message) for w in caught],
-            "empty_step_unchanged": _same(before, _params(dp)),
-        }
-    return out
+def hooks_and_scheduler_see_one_step_per_opt_step(when: str) -> None:
+    dp = _model()
+    opt = OPTIMIZERS["adam,foreach"](list(dp.parameters()))
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda *_, c=calls: c.append("pre"))
+    opt.register_step_post_hook(lambda *_, c=calls: c.append("post"))
+    dp.register_optimizer(opt)  # its pre-hook does not refuse the overlapped step
+    if when == "before":
+        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
+        dp.overlap_optimizer(opt)
+    else:
+        dp.overlap_optimizer(opt)
+        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
+    lrs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            lrs.append(opt.param_groups[0]["lr"])
+            _loss(dp, step).backward()
+            calls.append("backward_returned")
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        before = _params(dp)
+        opt.step()  # nothing to do: no gradients
+        calls.append("empty_step_returned")
+    # The pre-hook runs before the first bucket steps (inside backward), post at step.
+    expected = ["pre", "backward_returned", "post"] * 3 + ["pre", "post", "empty_step_returned"]
+    assert calls == expected, calls
+    assert [str(w.message) for w in caught] == [], [str(w.message) for w in caught]
+    want = [0.005, 0.01 * 2 / 3, 0.01 * 5 / 6]
+    assert len(lrs) == len(want) and all(
+        abs(a - b) <= 1e-6 * abs(b) + 1e-12 for a, b in zip(lrs, want)
+    ), lrs
+    assert _same(before, _params(dp)), "an empty step changed the parameters"
 
 
 class _Extra(nn.Module):
@@ -305,89 +332,116 @@ class _Extra(nn.Module):
         return [self.scale, *owned]
 
 
-def ownership() -> dict[str, Any]:
-    out = {}
-    for frozen in (False, True):
-        res = []
-        for overlap in (True, False):
-            m = _Extra(frozen)
-            first = _params(m.dp)[:2]
-            opt = torch.optim.AdamW(m.opt_params(), lr=0.01, foreach=True)
-            if overlap:
-                m.dp.overlap_optimizer(opt)
-            for step in range(STEPS):
-                (_loss(m.dp, step) * m.scale).sum().backward()
-                opt.step()
-                opt.zero_grad()
-            res.append((_params(m), _same(first, _params(m.dp)[:2])))
-        out["first_layer_left_out" if frozen else "extra_param"] = {
-            "params": _same(res[0][0], res[1][0]),
-            "left_out_unchanged": res[0][1],
-        }
-    return out
+def _ownership(frozen: bool) -> tuple[bool, bool]:
+    """(overlapped == plain parameters, the left-out first layer unchanged when overlapped)."""
+    res = []
+    for overlap in (True, False):
+        m = _Extra(frozen)
+        first = _params(m.dp)[:2]
+        opt = torch.optim.AdamW(m.opt_params(), lr=0.01, foreach=True)
+        if overlap:
+            m.dp.overlap_optimizer(opt)
+        for step in range(STEPS):
+            (_loss(m.dp, step) * m.scale).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        res.append((_params(m), _same(first, _params(m.dp)[:2])))
+    return _same(res[0][0], res[1][0]), res[0][1]
 
 
-def refusals() -> dict[str, Any]:
-    def build(opt_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> Callable[[], Any]:
-        def go() -> None:
-            dp = _model()
-            dp.overlap_optimizer(opt_fn(list(dp.parameters())))
+def params_outside_the_wrapper_are_stepped_at_opt_step() -> None:
+    same, _ = _ownership(frozen=False)
+    assert same, "parameters differ from the plain loop"
 
-        return go
 
-    class MySGD(torch.optim.SGD):
-        pass
+def owned_params_missing_from_the_optimizer_are_not_stepped() -> None:
+    same, left_out_unchanged = _ownership(frozen=True)
+    assert same, "parameters differ from the plain loop"
+    assert left_out_unchanged, "the first layer, not in the optimizer, changed"
 
-    out = {
-        name: expect_error(build(fn), "cannot step", "LBFGS", "Fix:")
-        for name, fn in {
-            "lbfgs": lambda p: torch.optim.LBFGS(p),
-            "adagrad": lambda p: torch.optim.Adagrad(p),
-            "rmsprop": lambda p: torch.optim.RMSprop(p),
-            "subclass": lambda p: MySGD(p, lr=0.1),
-        }.items()
-    }
-    out["differentiable"] = expect_error(
-        build(lambda p: torch.optim.SGD(p, lr=0.1, differentiable=True)), "differentiable"
-    )
 
-    def fresh() -> tuple[cadence.DataParallel, torch.optim.Optimizer]:
+class _MySGD(torch.optim.SGD):
+    pass
+
+
+# Optimizers not proven per-parameter: name -> (make, message fragments).
+NOT_PER_PARAMETER: dict[str, tuple[MakeOpt, tuple[str, ...]]] = {
+    "lbfgs": (lambda p: torch.optim.LBFGS(p), ("cannot step", "LBFGS", "Fix:")),
+    "adagrad": (lambda p: torch.optim.Adagrad(p), ("cannot step", "LBFGS", "Fix:")),
+    "rmsprop": (lambda p: torch.optim.RMSprop(p), ("cannot step", "LBFGS", "Fix:")),
+    "subclass": (lambda p: _MySGD(p, lr=0.1), ("cannot step", "LBFGS", "Fix:")),
+    "differentiable": (
+        lambda p: torch.optim.SGD(p, lr=0.1, differentiable=True),
+        ("differentiable",),
+    ),
+}
+
+
+def optimizer_not_proven_per_parameter_is_refused(optimizer: str) -> None:
+    make, fragments = NOT_PER_PARAMETER[optimizer]
+
+    def go() -> None:
         dp = _model()
-        opt = torch.optim.SGD(list(dp.parameters()), lr=0.1)
-        dp.overlap_optimizer(opt)
-        return dp, opt
+        dp.overlap_optimizer(make(list(dp.parameters())))
 
-    dp, opt = fresh()
+    assert_raises(go, *fragments)
+
+
+def _after_backward() -> tuple[cadence.DataParallel, torch.optim.Optimizer]:
+    dp = _model()
+    opt = torch.optim.SGD(list(dp.parameters()), lr=0.1)
+    dp.overlap_optimizer(opt)
     _loss(dp, 0).backward()
-    out["closure"] = expect_error(lambda: opt.step(lambda: 0.0), "closure")
-    dp, opt = fresh()
-    _loss(dp, 0).backward()
+    return dp, opt
+
+
+def a_closure_is_refused() -> None:
+    _, opt = _after_backward()
+    assert_raises(lambda: opt.step(lambda: 0.0), "closure")
+
+
+def lr_changed_mid_step_is_refused() -> None:
+    _, opt = _after_backward()
 
     def lr_mid_step() -> None:
         opt.param_groups[0]["lr"] = 0.01
         opt.step()
 
-    out["lr_mid_step"] = expect_error(lr_mid_step, "'lr' changed", "Fix:")
-    dp, opt = fresh()
-    _loss(dp, 0).backward()
-    out["second_forward"] = expect_error(lambda: _loss(dp, 1), "no_sync()", "opt.step()")
+    assert_raises(lr_mid_step, "'lr' changed", "Fix:")
+
+
+def a_second_forward_before_opt_step_is_refused_and_training_recovers() -> None:
+    dp, opt = _after_backward()
+    assert_raises(lambda: _loss(dp, 1), "no_sync()", "opt.step()")
     opt.step()  # the step is finished: training goes on
     _loss(dp, 1).backward()
     opt.step()
-    out["recovers"] = True
-    return out
 
 
-def overlap_optimizer_suite() -> dict[str, Any]:
-    return {
-        "parity": parity(),
-        "accumulation": accumulation(),
-        "mixed_precision": mixed_precision(),
-        "checkpoint": checkpoint(),
-        "clipping": clipping(),
-        "early_order": early_order(),
-        "manual": manual(),
-        "hooks": hooks_and_scheduler(),
-        "ownership": ownership(),
-        "refusals": refusals(),
-    }
+SCENARIOS = [
+    *cases(params_and_state_are_bitwise_the_plain_loops, "optimizer", list(OPTIMIZERS)),
+    *scenarios(
+        no_sync_accumulation_steps_nothing_early_and_matches,
+        require_backward_grad_sync_accumulation_matches,
+        bf16_wire_matches,
+        bucket_views_match,
+        checkpoint_round_trip_saves_the_plain_state_and_resumes_bitwise,
+        max_grad_norm_clips_by_the_global_norm_and_steps_nothing_early,
+        a_clip_after_buckets_stepped_raises_naming_max_grad_norm,
+        each_bucket_steps_while_the_next_is_in_flight_before_backward_returns,
+        manual_finalize_backward_steps_every_bucket,
+        manual_handle_wait_steps_every_bucket,
+        manual_window_left_pending_is_finalized_by_opt_step,
+    ),
+    *cases(hooks_and_scheduler_see_one_step_per_opt_step, "when", ["before", "after"]),
+    *scenarios(
+        params_outside_the_wrapper_are_stepped_at_opt_step,
+        owned_params_missing_from_the_optimizer_are_not_stepped,
+    ),
+    *cases(optimizer_not_proven_per_parameter_is_refused, "optimizer", list(NOT_PER_PARAMETER)),
+    *scenarios(
+        a_closure_is_refused,
+        lr_changed_mid_step_is_refused,
+        a_second_forward_before_opt_step_is_refused_and_training_recovers,
+    ),
+]

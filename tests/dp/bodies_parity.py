@@ -1,4 +1,8 @@
-"""Rank bodies for parity: cadence against single-process training and torch DDP."""
+"""Scenarios for parity: cadence against single-process training and torch DDP.
+
+`SCENARIOS` (one per world-2 configuration) runs in the world-2 launch;
+`OTHER_WORLDS` runs alone at world sizes 1, 3 and 4.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cadence
-from cadence.testing import max_abs_diff, named_grads, named_params, run_subtests
+from cadence.testing import max_abs_diff, named_grads, named_params
+from tests._scenarios import Scenario, cases, scenarios
 from tests.dp.common import global_batch, local, make_mlp, strip
 
 # The world-2 parity configurations (other world sizes run a subset).
@@ -31,7 +36,7 @@ CONFIGS = {
 }
 
 
-def parity(config: dict[str, Any]) -> dict[str, float]:
+def _parity(config: dict[str, Any]) -> dict[str, float]:
     """Train 3 AdamW steps with cadence, the single-process reference and (optionally) torch DDP.
 
     Returns the worst gradient / parameter differences against each oracle.
@@ -91,7 +96,33 @@ def parity(config: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def parity_suite(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Every named config in one launch; `run_subtests` names a failing one."""
-    results = run_subtests({"name": list(configs)}, lambda name: parity(configs[name]))
-    return {name: results[f"name={name!r}"] for name in configs}
+def _assert_parity(config: dict[str, Any]) -> None:
+    r = _parity(config)
+    for key in ("grad_ref", "param_ref", "grad_ddp", "param_ddp"):
+        assert r[key] < 1e-6, f"{key} = {r[key]:.3e} (all: {r})"
+
+
+def matches_single_process_and_ddp(config: str) -> None:
+    """3 AdamW steps give the gradients and parameters of one process and of torch DDP."""
+    _assert_parity(CONFIGS[config])
+
+
+def tiny_buckets_really_split() -> None:
+    # 5 Linear layers = 10 params, each above the 10-byte cap: one bucket per param.
+    tiny = _parity(CONFIGS["tiny_buckets"])["num_buckets"]
+    assert tiny == 10, f"{tiny} buckets under a 10-byte cap"
+    huge = _parity(CONFIGS["one_huge_bucket"])["num_buckets"]
+    assert huge == 1, f"{huge} buckets under a 1000 MB cap"
+
+
+SCENARIOS = [
+    *cases(matches_single_process_and_ddp, "config", sorted(CONFIGS)),
+    *scenarios(tiny_buckets_really_split),
+]
+
+# World sizes 1, 3 and 4 run a subset.
+OTHER_CONFIGS = {"auto": {}, "async_tiny": {"mode": "async", "dp": {"bucket_cap_mb": 0.001}}}
+OTHER_WORLDS = [
+    Scenario(f"matches_single_process_and_ddp-{name}", _assert_parity, {"config": config})
+    for name, config in OTHER_CONFIGS.items()
+]

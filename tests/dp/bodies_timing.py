@@ -1,5 +1,5 @@
-"""Rank bodies for collective counts, accumulation, unused parameters, reentrant
-checkpointing, buffers, wire dtypes and comm hooks; `timing_suite` runs them all in one launch."""
+"""Scenarios for collective counts, accumulation, unused parameters, reentrant
+checkpointing, buffers, wire dtypes and comm hooks; the world-2 launch runs `SCENARIOS`."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cadence
-from cadence.testing import max_abs_diff, named_grads, run_subtests
+from cadence.testing import max_abs_diff, named_grads
+from tests._scenarios import assert_raises, cases, scenarios
 from tests.dp.common import (
     WIDTH,
     RankDependent,
     TwoHeads,
-    expect_error,
     global_batch,
     local,
     make_mlp,
@@ -26,64 +26,110 @@ from tests.dp.common import (
 )
 
 
-def counts() -> dict[str, Any]:
+def _counting() -> tuple[cadence.DataParallel, cadence.EventLog, Any]:
+    """Five one-parameter-pair buckets, an event log, and one backward on this rank's batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     log = cadence.EventLog()
     dp = cadence.DataParallel(
         make_mlp(), bucket_cap_mb=0.001, first_bucket_cap_mb=None, event_log=log
     )
-    res: dict[str, Any] = {"buckets": dp.num_buckets}
     x, y = global_batch(0, world)
     xl, yl = local(x, rank, world), local(y, rank, world)
 
     def step() -> None:
         F.mse_loss(dp(xl), yl).backward()
 
+    return dp, log, step
+
+
+def _after_auto_and_manual_steps() -> tuple[cadence.DataParallel, cadence.EventLog, Any]:
+    """The wrapper after one auto step, then one manual step finalized (and checked)."""
+    dp, log, step = _counting()
+    step()
+    dp.require_manual_backward_finalization = True
+    step()
+    dp.finalize_backward()
+    log.clear()
+    return dp, log, step
+
+
+def _same_on_every_rank(value: Any, what: str) -> None:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    assert all(v == everyone[0] for v in everyone), f"{what} differs across ranks: {everyone}"
+
+
+def synced_step_issues_one_all_reduce_per_bucket() -> None:
+    dp, log, step = _counting()
+    assert dp.num_buckets == 5, f"{dp.num_buckets} buckets"
     log.clear()
     step()
-    res["auto"] = log.count("all_reduce")
-    res["auto_sig"] = log.signature()
+    assert log.count("all_reduce") == dp.num_buckets, log.counts()
+
+
+def manual_mode_launches_in_backward_and_matches_auto_order() -> None:
+    dp, log, step = _counting()
+    log.clear()
+    step()
+    auto_sig = log.signature()
     dp.require_manual_backward_finalization = True
     log.clear()
     step()
-    res["manual_before_finalize"] = log.count("all_reduce")
+    # Launched during backward, before finalize; finalize adds none.
+    assert log.count("all_reduce") == dp.num_buckets, f"before finalize: {log.counts()}"
     dp.finalize_backward()
-    res["manual"] = log.count("all_reduce")
-    res["manual_sig"] = log.signature()
-    log.clear()
-    res["finalize_nothing"] = dp.finalize_backward()
-    res["finalize_nothing_count"] = log.count()
+    assert log.count("all_reduce") == dp.num_buckets, f"after finalize: {log.counts()}"
+    assert log.signature() == auto_sig, (log.signature(), auto_sig)
+    # The same collectives in the same order on every rank.
+    _same_on_every_rank(auto_sig, "the auto step's signature")
+
+
+def finalize_with_nothing_pending_is_a_noop() -> None:
+    dp, log, _ = _after_auto_and_manual_steps()
+    got = dp.finalize_backward()
+    assert got is None, f"returned {got!r}"
+    assert log.count() == 0, log.counts()
+
+
+def accumulation_reduces_exactly_once() -> None:
+    dp, log, step = _after_auto_and_manual_steps()
+    dp.finalize_backward()  # nothing pending
     # K=3 accumulation with no_sync, then a synced backward.
     dp.require_manual_backward_finalization = False
     log.clear()
     with dp.no_sync():
         step()
         step()
-    res["no_sync"] = log.count("all_reduce")
+    assert log.count("all_reduce") == 0, f"inside no_sync: {log.counts()}"
     step()
-    res["accum_total"] = log.count("all_reduce")
+    assert log.count("all_reduce") == dp.num_buckets, f"synced step: {log.counts()}"
     # Deferred: accumulate with the setter, then finalize with sync on.
     log.clear()
     dp.set_requires_gradient_sync(False)
     step()
     step()
-    res["deferred_before"] = log.count("all_reduce")
+    assert log.count("all_reduce") == 0, f"sync off: {log.counts()}"
     dp.set_requires_gradient_sync(True)
     dp.finalize_backward()
-    res["deferred"] = log.count("all_reduce")
-    # Cross-rank order check happens in the parent (signatures from every rank).
+    assert log.count("all_reduce") == dp.num_buckets, f"deferred finalize: {log.counts()}"
+
+
+def find_unused_adds_one_used_map_all_reduce() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world)
     unused = cadence.DataParallel(
         TwoHeads(), find_unused_parameters=True, event_log=cadence.EventLog()
     )
     unused.event_log.clear()
-    F.mse_loss(unused(xl), yl).backward()
-    res["unused_buckets"] = unused.num_buckets
-    res["unused_count"] = unused.event_log.count("all_reduce")
-    res["unused_grad_none"] = unused.module.b.weight.grad is None
-    return res
+    F.mse_loss(unused(local(x, rank, world)), local(y, rank, world)).backward()
+    count = unused.event_log.count("all_reduce")
+    assert count == unused.num_buckets + 1, f"{count} all-reduces, {unused.num_buckets} buckets"
+    assert unused.module.b.weight.grad is None, (
+        "a globally unused parameter must keep .grad=None (as DDP)"
+    )
 
 
-def unused_on_one_rank() -> dict[str, float]:
+def unused_on_one_rank_matches_ddp_and_launch_order() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = global_batch(0, world)
     xl, yl = local(x, rank, world), local(y, rank, world)
@@ -92,12 +138,11 @@ def unused_on_one_rank() -> dict[str, float]:
     ddp = DDP(copy.deepcopy(m), find_unused_parameters=True)
     F.mse_loss(dp(xl), yl).backward()
     F.mse_loss(ddp(xl), yl).backward()
-    sig = dp.event_log.signature()
-    return {
-        "diff": max_abs_diff(strip(named_grads(dp)), strip(named_grads(ddp))),
-        "b_grad_set": float(dp.module.b.weight.grad is not None),
-        "sig": sig,
-    }
+    diff = max_abs_diff(strip(named_grads(dp)), strip(named_grads(ddp)))
+    assert diff < 1e-7, f"grads differ from DDP by {diff:.3e}"
+    # Used on rank 0, so every rank (rank 1 too) gets the average.
+    assert dp.module.b.weight.grad is not None, "b.weight.grad is None"
+    _same_on_every_rank(dp.event_log.signature(), "the signature")
 
 
 # ---------------------------------------------------------------------------
@@ -105,7 +150,7 @@ def unused_on_one_rank() -> dict[str, float]:
 # ---------------------------------------------------------------------------
 
 
-def accumulation(kind: str) -> float:
+def accumulation_matches_reference(kind: str) -> None:
     """K=4 microbatches accumulated, one reduction; compare to the reference on all of them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_mlp()
@@ -158,7 +203,8 @@ def accumulation(kind: str) -> float:
     for i in range(k):
         x, y = batches[i]
         (F.mse_loss(ref(x), y) / k).backward()
-    return max_abs_diff(strip(named_grads(dp)), named_grads(ref))
+    diff = max_abs_diff(strip(named_grads(dp)), named_grads(ref))
+    assert diff < 1e-6, f"grads differ from the reference by {diff:.3e}"
 
 
 class _Twice(nn.Module):
@@ -180,12 +226,12 @@ class _Twice(nn.Module):
         return self.out(h)
 
 
-def reentrant() -> dict[str, Any]:
+def static_graph_handles_a_layer_checkpointed_twice() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    res: dict[str, Any] = {}
     model = _Twice()
     ref = copy.deepcopy(model)
     static = cadence.DataParallel(copy.deepcopy(model), static_graph=True, bucket_cap_mb=0.001)
+    # Step 0 learns the hook counts (no overlap); step 1 uses them.
     for step in range(2):
         x, y = global_batch(step, world)
         for p in static.parameters():
@@ -193,19 +239,30 @@ def reentrant() -> dict[str, Any]:
         ref.zero_grad()
         F.mse_loss(static(local(x, rank, world).requires_grad_()), local(y, rank, world)).backward()
         F.mse_loss(ref(x), y).backward()
-        res[f"static_step{step}"] = max_abs_diff(strip(named_grads(static)), named_grads(ref))
-    plain = cadence.DataParallel(copy.deepcopy(model), bucket_cap_mb=0.001)
+        diff = max_abs_diff(strip(named_grads(static)), named_grads(ref))
+        assert diff < 1e-6, f"step {step}: grads differ from the reference by {diff:.3e}"
+
+
+def hook_firing_twice_names_the_parameter() -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plain = cadence.DataParallel(_Twice(), bucket_cap_mb=0.001)
     x, y = global_batch(0, world)
-    res["twice_error"] = expect_error(
+    assert_raises(
         lambda: F.mse_loss(
             plain(local(x, rank, world).requires_grad_()), local(y, rank, world)
         ).backward(),
         "'shared.",
         "static_graph=True",
     )
-    # A reentrant-checkpointed *last* layer runs its backward in a nested graph task: the
-    # window must still finalize at the end of the outer backward, not of the nested one.
+
+
+def reentrant_checkpointed_head_finalizes_after_outer_backward() -> None:
+    """A reentrant-checkpointed *last* layer runs its backward in a nested graph task: the
+    window must still finalize at the end of the outer backward, not of the nested one."""
     from torch.utils.checkpoint import checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world)
 
     class CkptHead(nn.Module):
         def __init__(self) -> None:
@@ -222,12 +279,12 @@ def reentrant() -> dict[str, Any]:
     dp = cadence.DataParallel(copy.deepcopy(m), bucket_cap_mb=0.001)
     F.mse_loss(dp(local(x, rank, world)), local(y, rank, world)).backward()
     F.mse_loss(ref2(x), y).backward()
-    res["ckpt_head"] = max_abs_diff(strip(named_grads(dp)), named_grads(ref2))
-    res["ckpt_head_state"] = dp.state.value
-    return res
+    diff = max_abs_diff(strip(named_grads(dp)), named_grads(ref2))
+    assert diff < 1e-6, f"grads differ from the reference by {diff:.3e}"
+    assert dp.state.value == "idle", f"state {dp.state.value} after backward"
 
 
-def buffers_and_init() -> dict[str, float]:
+def parameters_and_buffers_broadcast_from_rank0() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)  # every rank initialises differently
     m = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Linear(WIDTH, 1))
@@ -245,55 +302,77 @@ def buffers_and_init() -> dict[str, float]:
     rm = dp.module[1].running_mean.clone()
     got = [torch.empty_like(rm) for _ in range(world)]
     dist.all_gather(got, rm)
-    return {
-        "init_diff": init_diff,
-        "buffer_diff": max(float((g - got[0]).abs().max()) for g in got),
-    }
+    assert init_diff == 0.0, f"parameters differ across ranks after init by {init_diff}"
+    buffer_diff = max(float((g - got[0]).abs().max()) for g in got)
+    assert buffer_diff == 0.0, f"running_mean differs across ranks by {buffer_diff}"
 
 
-def bf16_wire() -> dict[str, float]:
+# name -> (DataParallel kwargs, comm hook, bounds on the gradient difference or None).
+WIRES: dict[str, tuple[dict[str, Any], Any, tuple[float, float] | None]] = {
+    "reduce_dtype_bf16": ({"reduce_dtype": torch.bfloat16}, None, (0, 1e-2)),  # bf16 rounding
+    "bf16_hook": ({}, cadence.data_parallel.comm_hooks.bf16_compress_hook, None),
+    "fp16_hook": ({}, cadence.data_parallel.comm_hooks.fp16_compress_hook, (0, 1e-3)),
+    "allreduce_hook": ({}, cadence.data_parallel.comm_hooks.allreduce_hook, (-1, 1e-6)),
+}
+
+
+def _one_step(model: nn.Module, dp: cadence.DataParallel) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(dp's grads, the reference's) after one step on the world batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_mlp()
     ref = copy.deepcopy(model)
-    res = {}
     x, y = global_batch(0, world)
     F.mse_loss(ref(x), y).backward()
-    gref = named_grads(ref)
-    for name, kw, hook in (
-        ("reduce_dtype_bf16", {"reduce_dtype": torch.bfloat16}, None),
-        ("bf16_hook", {}, cadence.data_parallel.comm_hooks.bf16_compress_hook),
-        ("fp16_hook", {}, cadence.data_parallel.comm_hooks.fp16_compress_hook),
-        ("allreduce_hook", {}, cadence.data_parallel.comm_hooks.allreduce_hook),
-    ):
-        dp = cadence.DataParallel(copy.deepcopy(model), **kw)
-        if hook is not None:
-            dp.register_comm_hook(None, hook)
-        F.mse_loss(dp(local(x, rank, world)), local(y, rank, world)).backward()
-        g = strip(named_grads(dp))
-        res[name] = max_abs_diff(g, gref)
-        res[name + "_dtype_ok"] = float(all(v.dtype == torch.float32 for v in g.values()))
-        res[name + "_count"] = float(dp.event_log.count("all_reduce"))
-    # A torch DDP hook works unchanged (Future-returning, gets un-divided buckets).
+    F.mse_loss(dp(local(x, rank, world)), local(y, rank, world)).backward()
+    return strip(named_grads(dp)), named_grads(ref)
+
+
+def wire_dtype_or_comm_hook(wire: str) -> None:
+    """.grad stays fp32, the reduction is counted through cadence.Comm, values close."""
+    kw, hook, bounds = WIRES[wire]
+    model = make_mlp()
+    dp = cadence.DataParallel(copy.deepcopy(model), **kw)
+    if hook is not None:
+        dp.register_comm_hook(None, hook)
+    g, gref = _one_step(model, dp)
+    dtypes = {str(v.dtype) for v in g.values()}
+    assert dtypes == {"torch.float32"}, f".grad dtypes {dtypes}"
+    count = dp.event_log.count("all_reduce")
+    assert count == 1, f"{count} all-reduces counted"
+    if bounds is not None:
+        diff = max_abs_diff(g, gref)
+        assert bounds[0] < diff < bounds[1], f"diff {diff:.3e} outside {bounds}"
+
+
+def torch_ddp_comm_hook_runs_unchanged() -> None:
+    """A torch DDP hook works unchanged (Future-returning, gets un-divided buckets)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    model = make_mlp()
     dp = cadence.DataParallel(copy.deepcopy(model))
     dp.register_comm_hook(None, default_hooks.allreduce_hook)
-    F.mse_loss(dp(local(x, rank, world)), local(y, rank, world)).backward()
-    res["torch_hook"] = max_abs_diff(strip(named_grads(dp)), gref)
-    return res
+    g, gref = _one_step(model, dp)
+    diff = max_abs_diff(g, gref)
+    assert diff < 1e-6, f"grads differ from the reference by {diff:.3e}"
 
 
 ACCUMULATION = ["no_sync", "setter", "deferred", "interleaved", "fwd_outside_bwd_inside"]
 
-
-def timing_suite() -> dict[str, Any]:
-    """Every body above in one launch (process start-up dominates their cost)."""
-    acc = run_subtests({"kind": ACCUMULATION}, accumulation)
-    return {
-        "counts": counts(),
-        "unused_on_one_rank": unused_on_one_rank(),
-        "accumulation": {kind: acc[f"kind={kind!r}"] for kind in ACCUMULATION},
-        "reentrant": reentrant(),
-        "buffers": buffers_and_init(),
-        "wire": bf16_wire(),
-    }
+SCENARIOS = [
+    *scenarios(
+        synced_step_issues_one_all_reduce_per_bucket,
+        manual_mode_launches_in_backward_and_matches_auto_order,
+        finalize_with_nothing_pending_is_a_noop,
+        accumulation_reduces_exactly_once,
+        find_unused_adds_one_used_map_all_reduce,
+        unused_on_one_rank_matches_ddp_and_launch_order,
+    ),
+    *cases(accumulation_matches_reference, "kind", ACCUMULATION),
+    *scenarios(
+        static_graph_handles_a_layer_checkpointed_twice,
+        hook_firing_twice_names_the_parameter,
+        reentrant_checkpointed_head_finalizes_after_outer_backward,
+        parameters_and_buffers_broadcast_from_rank0,
+    ),
+    *cases(wire_dtype_or_comm_hook, "wire", list(WIRES)),
+    *scenarios(torch_ddp_comm_hook_runs_unchanged),
+]

@@ -1,25 +1,21 @@
-"""Every world-2 DataParallel rank body in one launch (process start-up dominates).
+"""Every world-2 DataParallel scenario in one launch (process start-up dominates).
 
-The sections are independent: each builds its own models and seeds its own
-generators, so their order does not matter.
+The scenarios are independent: each builds its own models and seeds its own
+generators, so their order does not matter. One map of outcomes per bodies module.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from tests.dp.bodies_misuse import misuse
-from tests.dp.bodies_overlap import run_all as overlap
-from tests.dp.bodies_parity import CONFIGS, parity_suite
-from tests.dp.bodies_timing import timing_suite
+from tests import _scenarios
+from tests.dp import bodies_misuse, bodies_overlap, bodies_parity, bodies_timing
 
 __all__ = ["world2"]
 
 
-def world2() -> dict[str, Any]:
+def world2() -> dict[str, _scenarios.Outcomes]:
     return {
-        "parity": parity_suite(CONFIGS),
-        "timing": timing_suite(),
-        "misuse": misuse(),
-        "overlap": overlap(),
+        "parity": _scenarios.run_scenarios(bodies_parity.SCENARIOS),
+        "timing": _scenarios.run_scenarios(bodies_timing.SCENARIOS),
+        "misuse": _scenarios.run_scenarios(bodies_misuse.SCENARIOS),
+        "overlap": _scenarios.run_scenarios(bodies_overlap.SCENARIOS),
     }

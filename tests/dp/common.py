@@ -72,7 +72,11 @@ class RankDependent(nn.Module):
 
 
 def expect_error(fn: Callable[[], Any], *fragments: str) -> str:
-    """ "ok" if ``fn`` raises a cadence error whose message has every fragment, else why not."""
+    """ "ok" if ``fn`` raises a cadence error whose message has every fragment, else why not.
+
+    Still used by fsdp and foundation bodies; the DataParallel scenarios use
+    `tests._scenarios.assert_raises`, which asserts instead of returning "ok".
+    """
     try:
         fn()
     except cadence.CadenceError as exc:

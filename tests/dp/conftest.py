@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from cadence.testing import run_distributed
+from tests._scenarios import Outcomes, merged
 from tests.dp.bodies_world2 import world2 as world2_body
 
 
 @pytest.fixture(scope="package")
-def world2() -> list[dict[str, Any]]:
-    return run_distributed(world2_body, world_size=2, timeout=240)
+def world2() -> dict[str, Outcomes]:
+    """``{bodies module: {scenario: None, or its traceback on the ranks it failed}}``."""
+    ranks = run_distributed(world2_body, world_size=2, timeout=240)
+    return {part: merged([r[part] for r in ranks]) for part in ranks[0]}

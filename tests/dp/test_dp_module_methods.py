@@ -16,59 +16,29 @@
   or reduced into buckets built for other tensors.
 - `cadence.DataParallel` is not a ``torch.nn.parallel.DistributedDataParallel``
   (docs/data_parallel.md says why).
+
+The scenarios, with their assertions, are in ``bodies_module_methods``; one world-2
+launch runs them all.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from cadence.testing import run_distributed
-from tests.dp.bodies_module_methods import HONOURED, REFUSED, module_methods_body
-
-TOL = 1e-6
+from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
+from tests.dp.bodies_module_methods import SCENARIOS
 
 
 @pytest.fixture(scope="module")
-def rank0() -> dict[str, Any]:
-    return run_distributed(module_methods_body, world_size=2, timeout=240)[0]
+def outcomes() -> Outcomes:
+    return merged(
+        run_distributed(
+            run_module_scenarios, "tests.dp.bodies_module_methods", world_size=2, timeout=240
+        )
+    )
 
 
-def _case(entry: Any) -> dict[str, Any]:
-    """A case's results; a case that raised left its exception's text instead."""
-    assert isinstance(entry, dict), entry
-    return entry
-
-
-@pytest.mark.parametrize("order", ["before_training", "after_a_step"])
-@pytest.mark.parametrize("method", list(HONOURED))
-def test_method_keeping_dtype_and_device_is_honoured(
-    rank0: dict[str, Any], method: str, order: str
-) -> None:
-    case = _case(rank0["honoured"][f"method={method!r},order={order!r}"])
-    assert case["losses"][0] != case["losses"][-1], case
-    assert case["vs_single"] <= TOL, case
-    assert case["spread"] == 0.0, case  # parameters and buffers equal on every rank
-
-
-@pytest.mark.parametrize("method", [m for m, (_, where, _) in REFUSED.items() if where == "call"])
-def test_method_changing_what_buckets_hold_is_refused_before_anything_changes(
-    rank0: dict[str, Any], method: str
-) -> None:
-    case = _case(rank0["refused"][f"method={method!r}"])
-    assert case["message"] == "ok", case["message"]
-    assert case["unchanged"], case
-    assert case["spread_after"] == 0.0, case
-
-
-@pytest.mark.parametrize("method", [m for m, (_, where, _) in REFUSED.items() if where == "step"])
-def test_change_behind_the_wrappers_back_is_refused_by_the_next_step(
-    rank0: dict[str, Any], method: str
-) -> None:
-    case = _case(rank0["refused"][f"method={method!r}"])
-    assert case["message"] == "ok", case["message"]
-
-
-def test_not_a_torch_ddp_instance(rank0: dict[str, Any]) -> None:
-    assert _case(rank0["isinstance"])["is_ddp"] is False
+@pytest.mark.parametrize("name", names(SCENARIOS))
+def test_module_method(outcomes: Outcomes, name: str) -> None:
+    check(outcomes, name)

@@ -1,41 +1,36 @@
-"""DataParallel parity: single-process training on the concatenated batch, and torch DDP."""
+"""DataParallel parity: single-process training on the concatenated batch, and torch DDP.
+
+The scenarios, with their assertions, are in ``bodies_parity``; world 2 runs in the
+shared launch of ``conftest``, worlds 1, 3 and 4 in a launch each.
+"""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 
 from cadence.testing import run_distributed
-from tests.dp import bodies_parity
+from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
+from tests.dp.bodies_parity import OTHER_WORLDS, SCENARIOS
 
 
-@pytest.fixture(scope="module")
-def parity2(world2: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    return world2[0]["parity"]
+@pytest.mark.parametrize("name", names(SCENARIOS))
+def test_parity_world2(world2: dict[str, Outcomes], name: str) -> None:
+    check(world2["parity"], name)
 
 
-@pytest.mark.parametrize("name", sorted(bodies_parity.CONFIGS))
-def test_parity_world2(parity2: dict[str, dict[str, float]], name: str) -> None:
-    r = parity2[name]
-    assert r["grad_ref"] < 1e-6, r
-    assert r["param_ref"] < 1e-6, r
-    assert r["grad_ddp"] < 1e-6, r
-    assert r["param_ddp"] < 1e-6, r
-
-
-def test_tiny_buckets_really_split(parity2: dict[str, dict[str, float]]) -> None:
-    # 5 Linear layers = 10 params, each above the 10-byte cap: one bucket per param.
-    assert parity2["tiny_buckets"]["num_buckets"] == 10
-    assert parity2["one_huge_bucket"]["num_buckets"] == 1
-
-
-@pytest.mark.parametrize("world_size", [1, 3, 4])
-def test_parity_other_world_sizes(world_size: int) -> None:
-    configs = {"auto": {}, "async_tiny": {"mode": "async", "dp": {"bucket_cap_mb": 0.001}}}
-    results = run_distributed(
-        bodies_parity.parity_suite, configs, world_size=world_size, timeout=150
+@pytest.fixture(scope="module", params=[1, 3, 4], ids=lambda w: f"world{w}")
+def other_world(request: pytest.FixtureRequest) -> Outcomes:
+    return merged(
+        run_distributed(
+            run_module_scenarios,
+            "tests.dp.bodies_parity",
+            "OTHER_WORLDS",
+            world_size=request.param,
+            timeout=150,
+        )
     )
-    for name, r in results[0].items():
-        assert r["grad_ref"] < 1e-6 and r["param_ref"] < 1e-6, (name, r)
-        assert r["grad_ddp"] < 1e-6 and r["param_ddp"] < 1e-6, (name, r)
+
+
+@pytest.mark.parametrize("name", names(OTHER_WORLDS))
+def test_parity_other_world_sizes(other_world: Outcomes, name: str) -> None:
+    check(other_world, name)

@@ -1,13 +1,11 @@
-"""Rank body: before ``finalize_backward()`` nothing can clip, step on or read ``.grad``.
+"""Scenarios: before ``finalize_backward()`` nothing can clip, step on or read ``.grad``.
 
 Run for both wrappers (DataParallel and fully_shard) in manual mode, blocking and
-async. Each misuse returns "ok" when it raised `UnreducedGradientError` naming
-``finalize_backward()``.
+async. Each misuse must raise `UnreducedGradientError` naming ``finalize_backward()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,9 +15,10 @@ from torch import nn
 
 import cadence
 from cadence._pending_grad import UnreducedGradientError
-from cadence.testing import max_abs_diff, run_subtests
+from cadence.testing import max_abs_diff
+from tests._scenarios import Scenario, assert_raises, failure
 
-__all__ = ["pending_grads_body"]
+__all__ = ["SCENARIOS"]
 
 
 def _model() -> nn.Module:
@@ -42,15 +41,6 @@ def _backward(model: nn.Module, step: int = 0) -> None:
     F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
 
 
-def _raises(fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except UnreducedGradientError as exc:
-        msg = str(exc)
-        return "ok" if "finalize_backward()" in msg and "is not reduced yet" in msg else msg
-    return "no error raised"
-
-
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for n, p in model.named_parameters():
@@ -59,7 +49,9 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _case(kind: str, mode: str) -> dict[str, Any]:
+def _pending(kind: str, mode: str) -> tuple[nn.Module, torch.optim.Optimizer, Any, dict]:
+    """A manual-mode model whose gradients are not reduced yet; the handle if async; and
+    the gradients automatic finalization gives."""
     auto = _wrap(kind, _model())
     _backward(auto)
     expected = _grads(auto)
@@ -69,33 +61,74 @@ def _case(kind: str, mode: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)  # no register_optimizer on purpose
     _backward(model)
     handle = model.finalize_backward(async_op=True) if mode == "async" else None
-    params = list(model.parameters())
-    first = params[0]
-    out: dict[str, Any] = {
-        "clip": _raises(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)),
-        "step": _raises(opt.step),
-        "read": _raises(lambda: float(first.grad.norm())),
-        "zero_in_place": _raises(lambda: opt.zero_grad(set_to_none=False)),
-        "metadata": float(first.grad is not None and first.grad.shape == first.shape),
-        "repr": "finalize_backward()" in repr(first.grad),
-    }
+    return model, opt, handle, expected
+
+
+def _finalize(model: nn.Module, handle: Any) -> None:
     if handle is not None:
         handle.wait()
     else:
         model.finalize_backward()
-    out["after"] = max_abs_diff(_grads(model), expected)
-    out["clip_after"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+
+
+def _misuses(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    first = next(iter(model.parameters()))
+    return {
+        "clip": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        "step": opt.step,
+        "read": lambda: float(first.grad.norm()),
+        "zero_in_place": lambda: opt.zero_grad(set_to_none=False),
+    }
+
+
+def misuse_names_finalize_backward(kind: str, mode: str, misuse: str) -> None:
+    model, opt, handle, _ = _pending(kind, mode)
+    assert_raises(
+        _misuses(model, opt)[misuse],
+        "finalize_backward()",
+        "is not reduced yet",
+        kind=UnreducedGradientError,
+    )
+    _finalize(model, handle)
+
+
+def grads_after_finalize_are_the_reduced_ones(kind: str, mode: str) -> None:
+    model, opt, handle, expected = _pending(kind, mode)
+    for misuse in _misuses(model, opt).values():
+        failure(misuse)  # each refused (checked by its own scenario), changing nothing
+    first = next(iter(model.parameters()))
+    # Shape and `is None` checks still work, and the repr says why.
+    assert first.grad is not None and first.grad.shape == first.shape, "metadata"
+    assert "finalize_backward()" in repr(first.grad), repr(first.grad)
+    _finalize(model, handle)
+    after = max_abs_diff(_grads(model), expected)
+    assert after < 1e-6, f"differs from automatic finalization by {after:.3e}"
+    clip_after = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    assert clip_after > 0, clip_after
     opt.step()
     # reset_iter_state gives the local gradients back (the step is being abandoned).
     _backward(model, 1)
     model.reset_iter_state()
-    out["after_reset"] = type(first.grad).__name__
-    return out
+    assert type(first.grad).__name__ != "PendingGrad", type(first.grad)
 
 
-def pending_grads_body() -> dict[str, Any]:
-    results = run_subtests(
-        {"kind": ["dp", "fsdp"], "mode": ["blocking", "async"]},
-        lambda kind, mode: _case(kind, mode),
-    )
-    return {k.replace("'", ""): v for k, v in results.items()}
+CASES = [(k, m) for k in ("dp", "fsdp") for m in ("blocking", "async")]
+SCENARIOS = [
+    *(
+        Scenario(
+            f"misuse_names_finalize_backward-{k}-{m}-{misuse}",
+            misuse_names_finalize_backward,
+            {"kind": k, "mode": m, "misuse": misuse},
+        )
+        for k, m in CASES
+        for misuse in ("clip", "step", "read", "zero_in_place")
+    ),
+    *(
+        Scenario(
+            f"grads_after_finalize_are_the_reduced_ones-{k}-{m}",
+            grads_after_finalize_are_the_reduced_ones,
+            {"kind": k, "mode": m},
+        )
+        for k, m in CASES
+    ),
+]

@@ -1,38 +1,30 @@
-"""Manual finalization: ``.grad`` cannot be clipped, stepped on or read before it is reduced."""
+"""Manual finalization: ``.grad`` cannot be clipped, stepped on or read before it is reduced.
+
+The scenarios, with their assertions, are in ``bodies_pending_grads``; one world-2
+launch runs them all.
+"""
 
 from __future__ import annotations
-
-from typing import Any
 
 import pytest
 
 from cadence.testing import run_distributed
-from tests.foundation.bodies_pending_grads import pending_grads_body
-
-CASES = [f"kind={k},mode={m}" for k in ("dp", "fsdp") for m in ("blocking", "async")]
+from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
+from tests.foundation.bodies_pending_grads import SCENARIOS
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    return run_distributed(pending_grads_body, world_size=2, timeout=120)
+def outcomes() -> Outcomes:
+    return merged(
+        run_distributed(
+            run_module_scenarios,
+            "tests.foundation.bodies_pending_grads",
+            world_size=2,
+            timeout=120,
+        )
+    )
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("misuse", ["clip", "step", "read", "zero_in_place"])
-def test_misuse_names_finalize_backward(
-    results: list[dict[str, Any]], case: str, misuse: str
-) -> None:
-    for rank, r in enumerate(results):
-        assert r[case][misuse] == "ok", (rank, case, r[case][misuse])
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_grads_after_finalize_are_the_reduced_ones(
-    results: list[dict[str, Any]], case: str
-) -> None:
-    for r in results:
-        c = r[case]
-        assert c["metadata"] == 1.0 and c["repr"], c  # shape and `is None` checks still work
-        assert c["after"] < 1e-6, c  # same as automatic finalization
-        assert c["clip_after"] > 0, c
-        assert c["after_reset"] != "PendingGrad", c
+@pytest.mark.parametrize("name", names(SCENARIOS))
+def test_pending_grads(outcomes: Outcomes, name: str) -> None:
+    check(outcomes, name)
