@@ -414,7 +414,12 @@ class DataParallelLayout:
                 "passed as group=; pass a group that contains every calling rank."
             )
         device = _default_device(pg)
-        mesh = DeviceMesh.from_group(pg, device.type, mesh_dim_names=("dp_shard",))
+        # No dimension names: torch compares DeviceMeshes by value (ranks, layout,
+        # device, names), so the world group's mesh is equal to the one FSDP2 builds by
+        # default (init_device_mesh(device, (world,))), and per-rank state dicts and
+        # optimizer states cross-load between the two (docs/fsdp.md, "Per-rank state
+        # dicts across torch FSDP2 and cadence").
+        mesh = DeviceMesh.from_group(pg, device.type)
         return cls(shard_group=pg, replicate_group=None, mesh=mesh, device=device)
 
     @classmethod

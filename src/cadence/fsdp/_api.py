@@ -23,11 +23,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 
 from cadence.errors import CadenceRuntimeError, CadenceTypeError, CadenceValueError
 
-__all__ = ["FullyShardError", "MixedPrecisionPolicy", "check_offload_policy", "to_mp_policy"]
+__all__ = [
+    "FullyShardError",
+    "MixedPrecisionPolicy",
+    "check_fully_shard_args",
+    "check_offload_policy",
+    "to_mp_policy",
+]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -148,3 +155,36 @@ def check_offload_policy(policy: Any) -> None:
             f"fully_shard: offload_policy={type(policy).__name__}; only "
             "torch.distributed.fsdp.OffloadPolicy() (no offload) is accepted."
         )
+
+
+def check_fully_shard_args(
+    *,
+    mesh: Any,
+    group: Any,
+    reshard_after_forward: Any,
+    dp_mesh_dims: Any,
+    offload_policy: Any,
+) -> None:
+    """fully_shard's refusals ([Note: FSDP2 arguments]), first: the module stays untouched."""
+    if mesh is not None and group is not None:
+        raise CadenceValueError(
+            "fully_shard got both mesh= and group=; they name the same thing (the data-"
+            "parallel group). Pass one."
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise CadenceTypeError(
+            f"fully_shard: mesh= takes a torch DeviceMesh, got {type(mesh).__name__}; pass "
+            "other group forms as group=."
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise FullyShardError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward!r}; an int (FSDP2: "
+            "reshard to a smaller world after forward) is not supported. Pass True, False "
+            "or None."
+        )
+    if dp_mesh_dims is not None:
+        raise FullyShardError(
+            "fully_shard: dp_mesh_dims is not supported; pass the data-parallel submesh "
+            '(e.g. mesh["dp_replicate", "dp_shard"]) as mesh= instead.'
+        )
+    check_offload_policy(offload_policy)

@@ -17,14 +17,15 @@ from cadence import _autograd
 from cadence._exchange import check_algorithms
 from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, EventLog, ReductionHandle
-from cadence.errors import CadenceTypeError, CadenceValueError
+from cadence.errors import CadenceValueError
 from cadence.fsdp._api import (
     FullyShardError,
     MixedPrecisionPolicy,
-    check_offload_policy,
+    check_fully_shard_args,
     to_mp_policy,
 )
-from cadence.fsdp._materialize import check_meta_consistent, conversion_name, conversion_target
+from cadence.fsdp._cross_load import adopt_state_dict
+from cadence.fsdp._materialize import check_param_devices, conversion_name, conversion_target
 from cadence.fsdp._overlap import OverlapOptimizer
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
 from cadence.fsdp._root_runtime import RootRuntime
@@ -318,7 +319,7 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
 
     # -- state dict -------------------------------------------------------------
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # Module.state_dict is overloaded
         """Sharded: every parameter is a DTensor ``Shard(0)`` (DCP-compatible)."""
         self._runtime.reshard_all_idle("state_dict()")
         return super().state_dict(*args, **kwargs)
@@ -329,6 +330,10 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
         sharding] in ``_materialize.py``."""
         what = "load_state_dict(assign=True)" if assign else "load_state_dict()"
         self._runtime.reshard_all_idle(what)
+        # Entries saved on another mesh (torch FSDP2's, say): rewrapped on this model's
+        # when the layout agrees, else a clear error; [Note: per-rank state dicts across
+        # meshes] in _cross_load.py.
+        state_dict = adopt_state_dict(self, state_dict, what)
         out = super().load_state_dict(state_dict, strict=strict, assign=assign)
         for unit in self._units(recurse=True):
             unit.refresh(what)
@@ -344,7 +349,7 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
         """
         runtime = self._runtime
         if runtime.applying:  # a unit inside another's _apply: the outer one re-seats
-            return super()._apply(fn, recurse=recurse)
+            return super()._apply(fn, recurse=recurse)  # type: ignore[no-untyped-call]  # torch leaves Module._apply unannotated
         what = f"{conversion_name()}()"
         runtime.reshard_all_idle(what)
         units = self._units(recurse)
@@ -361,7 +366,7 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
                 )
         runtime.applying = True
         try:
-            out = super()._apply(fn, recurse=recurse)
+            out = super()._apply(fn, recurse=recurse)  # type: ignore[no-untyped-call]  # torch leaves Module._apply unannotated
         finally:
             runtime.applying = False
         for unit in units:
@@ -424,15 +429,6 @@ def _local_rows(target: DTensor) -> tuple[int, int]:
     return min(rank * chunk, target.shape[0]), local.shape[0]
 
 
-def _check_reshard_after_forward(value: Any) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    raise FullyShardError(
-        f"fully_shard: reshard_after_forward={value!r}; an int (FSDP2: reshard to a smaller "
-        "world after forward) is not supported. Pass True, False or None."
-    )
-
-
 def _check_placements(
     params: list[ParamInfo], shard_placement_fn: Callable[[nn.Parameter], Any] | None
 ) -> None:
@@ -440,7 +436,7 @@ def _check_placements(
         return
     for info in params:
         reg_module, reg_name = info.registrations[0]
-        placement = shard_placement_fn(reg_module._parameters[reg_name])  # type: ignore[arg-type]
+        placement = shard_placement_fn(reg_module._parameters[reg_name])  # type: ignore[arg-type]  # a registered parameter, not None
         if placement is not None and placement != Shard(0):
             raise FullyShardError(
                 f"fully_shard: shard_placement_fn gave {placement} for {info.fqn!r}; fully_shard "
@@ -500,45 +496,33 @@ def fully_shard(
         raise FullyShardError(
             f"fully_shard was already applied to {type(module).__name__}; apply it once."
         )
-    if mesh is not None and group is not None:
-        raise CadenceValueError(
-            "fully_shard got both mesh= and group=; they name the same thing (the data-"
-            "parallel group). Pass one."
-        )
-    if mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise CadenceTypeError(
-            f"fully_shard: mesh= takes a torch DeviceMesh, got {type(mesh).__name__}; pass "
-            "other group forms as group=."
-        )
-    _check_reshard_after_forward(reshard_after_forward)
-    if dp_mesh_dims is not None:
-        raise FullyShardError(
-            "fully_shard: dp_mesh_dims is not supported; pass the data-parallel submesh "
-            '(e.g. mesh["dp_replicate", "dp_shard"]) as mesh= instead.'
-        )
-    check_offload_policy(offload_policy)
+    check_fully_shard_args(
+        mesh=mesh,
+        group=group,
+        reshard_after_forward=reshard_after_forward,
+        dp_mesh_dims=dp_mesh_dims,
+        offload_policy=offload_policy,
+    )
     mp_policy = to_mp_policy(mp_policy)
     layout = DataParallelLayout.of(mesh if mesh is not None else group, who="fully_shard")
-    device = layout.device
-    ignored = {id(p) for p in ignored_params or ()}
-    params = collect_params(module, ignored=ignored)
+    params = collect_params(module, ignored={id(p) for p in ignored_params or ()})
     _check_placements(params, shard_placement_fn)
-    on_meta: list[str] = []
-    real: list[str] = []
-    for info in params:
-        reg_module, reg_name = info.registrations[0]
-        p = reg_module._parameters[reg_name]
-        assert p is not None
-        if p.is_meta:  # see [Note: meta-device init] in _materialize.py
-            on_meta.append(info.fqn)
-            continue
-        real.append(info.fqn)
-        if p.device.type != device.type:
-            raise FullyShardError(
-                f"parameter {info.fqn!r} is on {p.device} but the shard group uses {device}; "
-                f"move the module to {device} (or build it on meta) before fully_shard."
-            )
-    check_meta_consistent(on_meta, real, type(module).__name__)
+    check_param_devices(params, layout.device, type(module).__name__)
+    unit = _make_unit(module, params, layout, mp_policy, reshard_after_forward, event_log)
+    _rebuild_root_runtime(module, unit, event_log)
+    _install_hooks(module, unit)
+    return module
+
+
+def _make_unit(
+    module: nn.Module,
+    params: list[ParamInfo],
+    layout: DataParallelLayout,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | None,
+    event_log: EventLog | None,
+) -> Unit:
+    """The module's own unit (its flat shard), and its class swapped: it is now a unit."""
     unit = Unit(
         module,
         params,
@@ -547,10 +531,13 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
     )
     unit.event_log = event_log
-    module._cadence_unit = unit  # type: ignore[assignment]
+    module._cadence_unit = unit  # type: ignore[assignment]  # Module types attributes as Tensor | Module
     module.__class__ = _fully_shard_class(type(module))
+    return unit
 
-    # This call's module is the root until a later call wraps it: rebuild the runtime.
+
+def _rebuild_root_runtime(module: nn.Module, unit: Unit, event_log: EventLog | None) -> None:
+    """This call's module is the root until a later call wraps it: rebuild the runtime."""
     units = [m._cadence_unit for m in module.modules() if isinstance(m, FullyShardedModule)]
     inherited = [u.event_log for u in units if u.event_log is not None]
     log = event_log or (inherited[0] if inherited else None)
@@ -560,13 +547,16 @@ def fully_shard(
         u.path = paths.get(id(u.module), "")
         if u.state is not ShardedState.SHARDED:
             u.reshard()
-        u.module._cadence_runtime = runtime  # type: ignore[assignment]
+        u.module._cadence_runtime = runtime  # type: ignore[assignment]  # Module types attributes as Tensor | Module
         # None: nested units reshard, the root does not: its backward starts right where
         # its forward ends, so resharding it would only re-gather the same parameters at
         # once. An explicit value is honoured for the root too, as in FSDP2 2.13.
         arg = u.reshard_after_forward_arg
         u.reshard_after_forward = (u is not unit) if arg is None else arg
 
+
+def _install_hooks(module: nn.Module, unit: Unit) -> None:
+    """The hooks that drive a unit, each reading the runtime live: a later root replaces it."""
     module.register_state_dict_post_hook(picklable_shards_hook)
     wrapped = cast(FullyShardedModule, module)
     module.register_forward_pre_hook(
@@ -577,4 +567,3 @@ def fully_shard(
         lambda m, args, output: wrapped._runtime.post_forward(unit, output)
     )
     unit.register_grad_hooks(lambda p: wrapped._runtime.post_accumulate(unit))
-    return module

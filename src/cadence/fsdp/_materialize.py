@@ -63,6 +63,7 @@ from cadence.fsdp._param import ParamInfo, make_sharded_param
 __all__ = [
     "Reseat",
     "check_meta_consistent",
+    "check_param_devices",
     "conversion_name",
     "conversion_target",
     "plan_reseat",
@@ -87,7 +88,7 @@ def conversion_name() -> str:
         code = frame.f_code
         if code.co_filename == module_file and code.co_name in _CONVERSIONS:
             return code.co_name
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back  # type: ignore[assignment]  # None at the outermost frame; the loop checks
     return "_apply"
 
 
@@ -122,6 +123,26 @@ def check_meta_consistent(names_on_meta: list[str], names_real: list[str], owner
         )
 
 
+def check_param_devices(params: list[ParamInfo], device: torch.device, owner: str) -> None:
+    """Every parameter on meta or on the shard group's device type, before any is sharded."""
+    on_meta: list[str] = []
+    real: list[str] = []
+    for info in params:
+        reg_module, reg_name = info.registrations[0]
+        p = reg_module._parameters[reg_name]
+        assert p is not None
+        if p.is_meta:  # see [Note: meta-device init]
+            on_meta.append(info.fqn)
+            continue
+        real.append(info.fqn)
+        if p.device.type != device.type:
+            raise FullyShardError(
+                f"parameter {info.fqn!r} is on {p.device} but the shard group uses {device}; "
+                f"move the module to {device} (or build it on meta) before fully_shard."
+            )
+    check_meta_consistent(on_meta, real, owner)
+
+
 def _registered(info: ParamInfo) -> torch.Tensor | None:
     module, name = info.registrations[0]
     return module._parameters.get(name)
@@ -131,7 +152,7 @@ def replaced(params: list[ParamInfo], *, sharded_registered: bool) -> bool:
     """Whether anything replaced a sharded parameter or its local tensor since `seat`."""
     for info in params:
         p = info.sharded
-        if p is None or p._local_tensor is not info.local:  # type: ignore[attr-defined]
+        if p is None or p._local_tensor is not info.local:  # type: ignore[attr-defined]  # a DTensor, typed as Parameter
             return True
         if sharded_registered:
             for module, name in info.registrations:
@@ -295,7 +316,7 @@ def seat(
                 sharded = make_sharded_param(info, target, mesh, placements)
                 sharded.requires_grad_(obj.requires_grad)
             info.sharded = sharded
-            info.local = sharded._local_tensor  # type: ignore[attr-defined]
+            info.local = sharded._local_tensor  # type: ignore[attr-defined]  # a DTensor, typed as Parameter
             if sharded_registered:
                 info.register(sharded)
     return target

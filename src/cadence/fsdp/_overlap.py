@@ -122,7 +122,7 @@ class OverlappedOptimizers:
         key = tuple(id(p) for part in parts for p in part) + tuple(len(p) for p in parts)
         if key != self._parts_key:
             for s in self.steppers:
-                s.set_parts(parts)  # type: ignore[arg-type]
+                s.set_parts(parts)  # type: ignore[arg-type]  # every unit's params are sharded once built
             self._parts_key = key
 
     def on_unit_written(self, unit: Unit) -> None:

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from cadence.fsdp._api import FullyShardError
+from cadence.fsdp._cross_load import install_optimizer_check
 
 __all__ = ["ParamInfo", "collect_params", "make_layout", "picklable_shards_hook"]
 
@@ -154,6 +155,7 @@ def make_sharded_param(
         shape=info.shape,
         stride=torch.empty(info.shape, device="meta").stride(),
     )
+    install_optimizer_check()  # [Note: per-rank state dicts across meshes]
     return nn.Parameter(dt, requires_grad=info.requires_grad)
 
 

@@ -16,6 +16,7 @@ The overlapped optimizer that steps units from that path lives in ``_overlap.py`
 from __future__ import annotations
 
 import enum
+import functools
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -466,7 +467,9 @@ class RootRuntime:
         if self.cleanup_fault is not None:
             self.cleanup_fault(pr.unit)
         if not pr.held:
-            self.grad_guard.restore(info.sharded for info in pr.unit.params)
+            self.grad_guard.restore(
+                info.sharded for info in pr.unit.params if info.sharded is not None
+            )
             pr.unit.write_sharded_grads(pr.rs_output)
         self.retired.pop(0)
         written = self.on_unit_written
@@ -491,7 +494,7 @@ class RootRuntime:
         if self.on_unit_written is None:
             return [pr.rs_work for pr in self.inflight]
         return [
-            CommWork(pr.rs_work, after=lambda pr=pr: self._complete_through(pr))
+            CommWork(pr.rs_work, after=functools.partial(self._complete_through, pr))
             for pr in self.inflight
         ]
 
@@ -532,7 +535,8 @@ class RootRuntime:
             ):
                 # HSDP: all-reduce what earlier backwards reduce-scattered only.
                 partial, unit.partial_reduce = unit.partial_reduce, None
-                self.inflight.append(PendingReduction(unit, None, partial, CommWork(None)))
+                # No reduce-scatter input is held: 0 bytes in flight.
+                self.inflight.append(PendingReduction(unit, 0, partial, CommWork(None)))
         if not self.inflight and not self.retired:
             self.handle = None
             return ReductionHandle.completed("fully_shard") if async_op else None

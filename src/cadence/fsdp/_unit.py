@@ -140,7 +140,7 @@ class Unit:
                     dst = self.flat_shard.narrow(0, info.offset, info.local_numel)
                     dst.copy_(rows.reshape(-1))
                 info.sharded = make_sharded_param(info, self.flat_shard, self.mesh, self.placements)
-                info.local = info.sharded._local_tensor  # type: ignore[attr-defined]
+                info.local = info.sharded._local_tensor  # type: ignore[attr-defined]  # a DTensor, typed as Parameter
                 info.register(info.sharded)
         # -- unsharded storage: one buffer, freed by resizing its storage to 0 --
         self.unsharded_flat = torch.empty(
@@ -241,7 +241,7 @@ class Unit:
         unsharded = [info.unsharded for info in self.params]
         # Autograd saved these parameters in forward; refilling their storage for the
         # backward re-gather must not look like an in-place edit, so keep the versions.
-        versions = [t._version for t in unsharded]  # type: ignore[union-attr]
+        versions = [t._version for t in unsharded]  # type: ignore[union-attr]  # set once the unit is built
         dsts = [
             self.unsharded_flat.narrow(
                 0, self.world * info.offset, self.world * info.chunk_numel
@@ -254,7 +254,7 @@ class Unit:
             torch.split_with_sizes_copy(
                 src, [info.chunk_numel for info in self.params], dim=1, out=dsts
             )
-        _set_versions(unsharded, versions)  # type: ignore[arg-type]
+        _set_versions(unsharded, versions)  # type: ignore[arg-type]  # set once the unit is built
         self.all_gather_state = None
         for info in self.params:
             assert info.unsharded is not None
@@ -377,16 +377,16 @@ class Unit:
 
     def sync_requires_grad(self) -> None:
         """See [Note: requires_grad after sharding]. Reads two flags per parameter."""
-        sharded = [info.sharded.requires_grad for info in self.params]  # type: ignore[union-attr]
-        unsharded = [info.unsharded.requires_grad for info in self.params]  # type: ignore[union-attr]
+        sharded = [info.sharded.requires_grad for info in self.params]  # type: ignore[union-attr]  # set once the unit is built
+        unsharded = [info.unsharded.requires_grad for info in self.params]  # type: ignore[union-attr]  # set once the unit is built
         if sharded == unsharded == self.grad_flags:
             return
         for info, s_flag, u_flag in zip(self.params, sharded, unsharded):
             flag = s_flag if s_flag != info.requires_grad else u_flag
             if flag != info.requires_grad or s_flag != flag or u_flag != flag:
                 info.requires_grad = flag
-                info.sharded.requires_grad_(flag)  # type: ignore[union-attr]
-                info.unsharded.requires_grad_(flag)  # type: ignore[union-attr]
+                info.sharded.requires_grad_(flag)  # type: ignore[union-attr]  # set once the unit is built
+                info.unsharded.requires_grad_(flag)  # type: ignore[union-attr]  # set once the unit is built
         self.grad_flags = [info.requires_grad for info in self.params]
         self.num_grad_params = sum(self.grad_flags)
 
@@ -451,4 +451,4 @@ class Unit:
                 )
             else:
                 # Reduce-every-microbatch mode: accumulate in the sharded grad.
-                p.grad._local_tensor.add_(local)  # type: ignore[attr-defined]
+                p.grad._local_tensor.add_(local)  # type: ignore[attr-defined]  # a DTensor grad; torch types .grad as Tensor
