@@ -203,6 +203,7 @@ DIST_USERS: dict[str, tuple[set[str], str]] = {
     "_torch_timing.py": ({FSDP2}, "recognises torch's FSDP2 modules"),
     "data_parallel/_wrapper.py": ({DIST, MESH}, "ProcessGroup and DeviceMesh as group= types"),
     "data_parallel/_join.py": ({DIST, JOIN}, "torch's Join protocol; ProcessGroup type"),
+    "data_parallel/_ddp_args.py": ({DIST, MESH}, "DDP's process_group / device_mesh types"),
     "fsdp/": ({DTENSOR, MESH, FSDP2}, "DTensor parameters on a mesh; FSDP2's policy types"),
     "fsdp/_unit.py": ({DIST}, "this rank's index in the shard group"),
     "pipeline/schedule/compare.py": ({PIPELINING}, "torch's schedule lists, when called"),

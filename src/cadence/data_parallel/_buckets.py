@@ -37,6 +37,15 @@ class Bucket:
     delayed: bool = False  # launched only when backward ends (never from a grad hook)
 
 
+@dataclass
+class _OpenBucket:
+    """A bucket still taking members: its member indices, cap and bytes so far."""
+
+    members: list[int]
+    cap: float
+    size: int = 0
+
+
 def build_buckets(
     named_params: list[tuple[str, torch.nn.Parameter]],
     *,
@@ -52,8 +61,8 @@ def build_buckets(
     groups: list[list[int]] = []
     caps = [c * _MB for c in bucket_caps_mb]
     # Buckets are per (dtype, device): one flat buffer needs one of each.
-    # Open bucket per key: [member indices, cap in bytes, bytes so far].
-    open_by_key: dict[tuple[torch.dtype, torch.device], list] = {}
+    # Open bucket per key.
+    open_by_key: dict[tuple[torch.dtype, torch.device], _OpenBucket] = {}
     for i, (_, p) in enumerate(named_params):
         if i in delayed:
             continue
@@ -61,12 +70,12 @@ def build_buckets(
         key = (wire, p.device)
         current = open_by_key.get(key)
         if current is None:
-            current = [[], caps[min(len(groups), len(caps) - 1)], 0]
-            groups.append(current[0])
+            current = _OpenBucket([], caps[min(len(groups), len(caps) - 1)])
+            groups.append(current.members)
             open_by_key[key] = current
-        current[0].append(i)
-        current[2] += p.numel() * torch.empty(0, dtype=wire).element_size()
-        if current[2] >= current[1]:
+        current.members.append(i)
+        current.size += p.numel() * torch.empty(0, dtype=wire).element_size()
+        if current.size >= current.cap:
             del open_by_key[key]
     order = list(reversed(groups))
     if delayed:

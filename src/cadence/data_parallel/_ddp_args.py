@@ -52,7 +52,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from cadence.errors import CadenceTypeError, CadenceValueError
 from cadence.topology import DataParallelGroup
@@ -134,7 +136,9 @@ def _resolve_devices(
 
 
 def _resolve_group(
-    group: DataParallelGroup, process_group: Any, device_mesh: Any
+    group: DataParallelGroup,
+    process_group: dist.ProcessGroup | None,
+    device_mesh: DeviceMesh | None,
 ) -> DataParallelGroup:
     given = [
         name
@@ -221,7 +225,7 @@ def resolve_ddp_args(
     dim: int,
     broadcast_buffers: bool | None,
     init_sync: bool,
-    process_group: Any,
+    process_group: dist.ProcessGroup | None,
     bucket_cap_mb: float | None,
     bucket_cap_mb_list: Sequence[float] | None,
     first_bucket_cap_mb: Any,
@@ -231,7 +235,7 @@ def resolve_ddp_args(
     param_to_hook_all_reduce: nn.Parameter | None,
     mixed_precision: Any,
     reduce_dtype: torch.dtype | None,
-    device_mesh: Any,
+    device_mesh: DeviceMesh | None,
     skip_all_reduce_unused_params: bool,
     forward_sync_buffers: bool | None,
 ) -> DDPPlan:

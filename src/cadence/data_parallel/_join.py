@@ -73,11 +73,13 @@ class _JoinableDataParallel(Protocol):
     _join_config: _JoinConfig
     _join_comm: Comm
     _reducer: Reducer
-    _buffers_to_sync: list[torch.Tensor]
     _ignored: frozenset[str]
     _no_sync_depth: int
     _join_divide_by_initial_world_size: bool
     _join_works: list[CommWork]
+
+    @property
+    def _buffers_to_sync(self) -> list[torch.Tensor]: ...
 
     def _syncs_buffers_at_forward(self) -> bool: ...
 
@@ -213,7 +215,7 @@ class _DataParallelJoin(Join):
         finally:
             for joinable in self._joinables:
                 if isinstance(joinable, JoinableDataParallel):
-                    leave_join(joinable)  # type: ignore[arg-type]
+                    leave_join(joinable)  # type: ignore[arg-type]  # the mixin; DataParallel has the protocol's members
 
 
 def _zero_replica(bucket: Bucket) -> Bucket:
@@ -283,7 +285,9 @@ class DataParallelJoinHook(JoinHook):
         _drain(dp)
         leave_join(dp)
         src = _common_rank(dp, is_last_joiner)
-        tensors = [p for n, p in dp.module.named_parameters() if n not in dp._ignored]
+        tensors: list[torch.Tensor] = [
+            p for n, p in dp.module.named_parameters() if n not in dp._ignored
+        ]
         if dp.broadcast_buffers:
             tensors += dp._buffers_to_sync
         with torch.no_grad():
@@ -296,10 +300,11 @@ class JoinableDataParallel(Joinable):
     device: torch.device
     process_group: dist.ProcessGroup
     event_log: Any
+    _comm: Comm
 
     def _init_join(self, *, ignored: frozenset[str]) -> None:
         """Called by DataParallel.__init__ (which stands in for Joinable's abstract one)."""
-        Joinable.__init__(self)  # type: ignore[misc]  # sets _join_config (disabled)
+        Joinable.__init__(self)  # sets _join_config (disabled)
         self._join_comm = Comm(
             self.process_group,
             event_log=self.event_log,
@@ -334,7 +339,7 @@ class JoinableDataParallel(Joinable):
         )
         if enable:
             try:  # at entry, not at the first forward
-                check_can_join(self)  # type: ignore[arg-type]
+                check_can_join(self)  # type: ignore[arg-type]  # the mixin; DataParallel has the protocol's members
             except DataParallelError:
                 leave_join(self)  # type: ignore[arg-type]  # Join enabled it already
                 raise
@@ -349,7 +354,7 @@ class JoinableDataParallel(Joinable):
                 "divide_by_initial_world_size only"
             )
         return DataParallelJoinHook(
-            self,  # type: ignore[arg-type]
+            self,  # type: ignore[arg-type]  # the mixin; DataParallel has the protocol's members
             divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True),
         )
 

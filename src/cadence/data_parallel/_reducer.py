@@ -22,6 +22,7 @@ and paid by the next syncing backward or by `finalize_backward` with sync on.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,10 +79,14 @@ class _Window:
     written: set[int] = field(default_factory=set)  # buckets written back one by one
 
 
+# What a comm hook's future yields: the reduced buffer, or torch DDP's ``[buffer]``.
+_HookValue = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...] | None
+
+
 class FutureWork:
     """Adapts a comm hook's ``torch.futures.Future`` to the `CommWork` interface."""
 
-    def __init__(self, fut: torch.futures.Future, bucket: Bucket) -> None:
+    def __init__(self, fut: torch.futures.Future[_HookValue], bucket: Bucket) -> None:
         self._fut = fut
         self._bucket = bucket
         self._done = False
@@ -526,7 +531,7 @@ class Reducer:
         if self.on_bucket_reduced is None or missing or self.find_unused:
             return works
         return [
-            CommWork(x, after=lambda b=b: self._bucket_reduced(w, b))
+            CommWork(x, after=functools.partial(self._bucket_reduced, w, b))
             for b, x in enumerate(w.works)
             if x is not None
         ]

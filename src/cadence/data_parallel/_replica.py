@@ -45,9 +45,10 @@ import torch
 from torch import nn
 
 from cadence.data_parallel._reducer import DataParallelError
+from cadence.errors import CadenceValueError
 from cadence.fsdp._materialize import conversion_target
 
-__all__ = ["Replica"]
+__all__ = ["Replica", "wrapped_parameters"]
 
 _AGAIN = "or wrap the model in a new DataParallel afterwards."
 _FIX = " Fix: make such changes before wrapping the model, " + _AGAIN
@@ -70,6 +71,35 @@ def _describe(found: list[tuple[str, str, str]]) -> str:
             more = f" and {len(names) - 4} more" if len(names) > 4 else ""
             parts.append(f"Parameters {', '.join(names[:4])}{more} were {why}.")
     return " ".join(parts)
+
+
+def wrapped_parameters(
+    module: nn.Module,
+    ignored: frozenset[str],
+    reduce_dtype: torch.dtype | None,
+    gradient_as_bucket_view: bool,
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters DataParallel reduces, refused here before any bucket or hook exists."""
+    if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+        raise CadenceValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
+    if not named:
+        raise CadenceValueError(
+            "DataParallel needs a module with at least one parameter requiring grad"
+        )
+    if (
+        gradient_as_bucket_view
+        and reduce_dtype is not None
+        and any(p.dtype != reduce_dtype for _, p in named)
+    ):
+        raise CadenceValueError(
+            "gradient_as_bucket_view=True needs the wire dtype to equal the parameter dtype; "
+            "drop reduce_dtype or set gradient_as_bucket_view=False"
+        )
+    for n, p in named:
+        if p.is_sparse or p.layout != torch.strided:
+            raise CadenceValueError(f"parameter '{n}' is not a dense strided tensor")
+    return named
 
 
 class Replica:

@@ -23,11 +23,11 @@ from cadence._exchange import check_algorithms
 from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
-from cadence.data_parallel._ddp_args import UNSET, resolve_ddp_args
+from cadence.data_parallel._ddp_args import UNSET, DDPPlan, resolve_ddp_args
 from cadence.data_parallel._join import JoinableDataParallel, join_forward, refuse_inside_join
 from cadence.data_parallel._overlap import OverlapOptimizer, OverlappedOptimizers
 from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
-from cadence.data_parallel._replica import Replica
+from cadence.data_parallel._replica import Replica, wrapped_parameters
 from cadence.data_parallel._sink import Sink, used_params
 from cadence.errors import CadenceValueError
 from cadence.fsdp._materialize import conversion_name
@@ -35,6 +35,7 @@ from cadence.topology import DataParallelGroup, DataParallelLayout
 
 __all__ = ["DataParallel"]
 
+_Named = list[tuple[str, nn.Parameter]]  # (name, parameter): the wrapped ones, in order
 _ACCUMULATE_OUTSIDE_JOIN = (
     "accumulate gradients outside the join context, or give every rank the same number "
     "of micro-steps per optimizer step."
@@ -136,31 +137,19 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
             skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             forward_sync_buffers=forward_sync_buffers,
         )
-        reduce_dtype = plan.reduce_dtype
-        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
-            raise CadenceValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
-        named = [
-            (n, p)
-            for n, p in module.named_parameters()
-            if p.requires_grad and n not in plan.ignored
-        ]
-        if not named:
-            raise CadenceValueError(
-                "DataParallel needs a module with at least one parameter requiring grad"
-            )
-        if (
-            gradient_as_bucket_view
-            and reduce_dtype is not None
-            and any(p.dtype != reduce_dtype for _, p in named)
-        ):
-            raise CadenceValueError(
-                "gradient_as_bucket_view=True needs the wire dtype to equal the parameter dtype; "
-                "drop reduce_dtype or set gradient_as_bucket_view=False"
-            )
-        for n, p in named:
-            if p.is_sparse or p.layout != torch.strided:
-                raise CadenceValueError(f"parameter '{n}' is not a dense strided tensor")
+        named = wrapped_parameters(module, plan.ignored, plan.reduce_dtype, gradient_as_bucket_view)
         self.module = module
+        self._init_comm(plan, event_log)
+        self._init_attributes(plan, named, dim, gradient_as_bucket_view)
+        if plan.init_sync:
+            self._verify_and_broadcast(named, with_buffers=plan.init_sync_buffers)
+        self._build_reducer(plan, named, find_unused_parameters, static_graph)
+        self._install_hooks(named)
+
+    # -- construction ---------------------------------------------------------
+
+    def _init_comm(self, plan: DDPPlan, event_log: EventLog | None) -> None:
+        """The group, the event log and the communicators: everything after this talks."""
         layout = DataParallelLayout.of(plan.group, who="DataParallel")
         # Without a caller's log, keep a bounded one: stats() and debugging need recent
         # events, but a million-step run must not grow memory without bound.
@@ -168,7 +157,9 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
         self.process_group = layout.dp_group()
         self._comm = Comm(self.process_group, event_log=self.event_log, name="dp")
         self._init_join(ignored=plan.ignored)
-        # -- DDP's public attributes, as scripts read them --
+
+    def _init_attributes(self, plan: DDPPlan, named: _Named, dim: int, as_view: bool) -> None:
+        """DDP's public attributes, as scripts read them, and the wrapper's own flags."""
         self.device_ids = plan.device_ids
         self.output_device = plan.output_device
         self.dim = dim
@@ -177,17 +168,18 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
         self.require_forward_param_sync = True
         self._input_device = plan.input_device
         # See [Note: module methods after wrapping] in _replica.py.
-        self._replica = Replica(module, named, set(plan.ignored))
-        self._gradient_as_bucket_view = gradient_as_bucket_view
+        self._replica = Replica(self.module, named, set(plan.ignored))
+        self._gradient_as_bucket_view = as_view
         self._no_sync_depth = 0
         self._is_last_backward = True
-        if plan.init_sync:
-            self._verify_and_broadcast(named, with_buffers=plan.init_sync_buffers)
+
+    def _build_reducer(self, plan: DDPPlan, named: _Named, find_unused: bool, static: bool) -> None:
+        """The bucket plan and the reducer that runs it, built once the replicas agree."""
         index = {n: i for i, (n, _) in enumerate(named)}
         buckets = build_buckets(
             named,
             bucket_caps_mb=plan.bucket_caps_mb,
-            reduce_dtype=reduce_dtype,
+            reduce_dtype=plan.reduce_dtype,
             delayed=frozenset(index[n] for n in plan.delayed if n in index),
         )
         self.bucket_bytes_cap = int(plan.bucket_caps_mb[-1] * 1024 * 1024)
@@ -195,30 +187,29 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
             buckets,
             named,
             self._comm,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused,
+            static_graph=static,
+            gradient_as_bucket_view=self._gradient_as_bucket_view,
         )
         self._reducer.explain = self._replica.explain
         self._overlap = OverlappedOptimizers(self._reducer, self.event_log)
+
+    def _install_hooks(self, named: _Named) -> None:
+        """Last, on a complete wrapper: each hook feeds the reducer as a gradient lands."""
         self._index_of = {id(p): i for i, (_, p) in enumerate(named)}
         self._hooks = [
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self._reducer.on_grad_ready(i))
             for i, (_, p) in enumerate(named)
         ]
-        if gradient_as_bucket_view:
+        if self._gradient_as_bucket_view:
             self._attach_bucket_views()
-
-    # -- construction ---------------------------------------------------------
 
     @property
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         """The buffers the forward broadcasts, looked up now: conversions replace them."""
         return self._replica.buffers()
 
-    def _verify_and_broadcast(
-        self, named: list[tuple[str, nn.Parameter]], *, with_buffers: bool
-    ) -> None:
+    def _verify_and_broadcast(self, named: _Named, *, with_buffers: bool) -> None:
         if self._comm.world_size == 1:
             return
         # A digest vote, whatever the world; the lists travel (as JSON) only when they
@@ -508,7 +499,7 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
                 f"{what} while gradient reductions are pending; call finalize_backward() first."
             )
         self._replica.refuse_conversion(fn, what)
-        out = super()._apply(fn, recurse=recurse)
+        out = super()._apply(fn, recurse=recurse)  # type: ignore[no-untyped-call]  # torch leaves Module._apply unannotated
         self._replica.check(what)
         return out
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from cadence.comm import Comm, CommWork
+from cadence.data_parallel._buckets import Bucket
 
 __all__ = ["GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
 
@@ -22,7 +23,7 @@ __all__ = ["GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_
 class GradBucket:
     """The view of one bucket a hook gets (method names follow ``dist.GradBucket``)."""
 
-    def __init__(self, bucket: Any, comm: Comm, *, is_last: bool) -> None:
+    def __init__(self, bucket: Bucket, comm: Comm, *, is_last: bool) -> None:
         self._bucket = bucket
         self.comm = comm
         self._is_last = is_last

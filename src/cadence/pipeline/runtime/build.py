@@ -101,30 +101,9 @@ def build_pipeline(
         schedule, pp, n_microbatches, chunks, source, max_outstanding_reductions, unshard_lookahead
     )
     mine = low.stages_of(pp_ranks.index(dist.get_rank()))
-    if device is not None:
-        dev = torch.device(device)
-    else:
-        dev = groups.device if groups is not None else torch.device("cpu")
-    if isinstance(stage_modules, Mapping):
-        modules = dict(stage_modules)
-        missing = [s for s in mine if s not in modules]
-        if missing:
-            raise PipelineUsageError(
-                f"stage_modules has no module for stages {missing}, which the schedule "
-                f"places on this rank (it places {list(mine)} here)"
-            )
-    else:
-        if len(stage_modules) != low.num_stages:
-            raise PipelineUsageError(
-                f"got {len(stage_modules)} stage modules, the schedule has "
-                f"{low.num_stages} stages ({pp} ranks x {low.num_stages // pp} chunks)"
-            )
-        modules = {s: stage_modules[s] for s in mine}
-    unknown = sorted(set(input_meta or {}) - set(range(low.num_stages)))
-    if unknown:
-        raise PipelineUsageError(
-            f"input_meta names stages {unknown}, the schedule has 0..{low.num_stages - 1}"
-        )
+    dev = _stage_device(device, groups)
+    modules = _local_modules(stage_modules, mine, low.num_stages, pp)
+    _check_input_meta(input_meta, low.num_stages)
     stages = [
         PipelineStage(
             modules[s], s, low.num_stages, device=dev, input_meta=(input_meta or {}).get(s)
@@ -143,6 +122,48 @@ def build_pipeline(
         batch_p2p=batch_p2p,
         recv_lookahead=recv_lookahead,
     )
+
+
+def _stage_device(device: torch.device | str | None, groups: ParallelGroups | None) -> torch.device:
+    """Where this rank's stages run: the caller's device, else the groups', else the CPU."""
+    if device is not None:
+        return torch.device(device)
+    return groups.device if groups is not None else torch.device("cpu")
+
+
+def _local_modules(
+    stage_modules: Sequence[nn.Module] | Mapping[int, nn.Module],
+    mine: Sequence[int],
+    num_stages: int,
+    pp: int,
+) -> dict[int, nn.Module]:
+    """This rank's stage modules, checked against the placement before any stage is built."""
+    if isinstance(stage_modules, Mapping):
+        modules = dict(stage_modules)
+        missing = [s for s in mine if s not in modules]
+        if missing:
+            raise PipelineUsageError(
+                f"stage_modules has no module for stages {missing}, which the schedule "
+                f"places on this rank (it places {list(mine)} here)"
+            )
+        return modules
+    if len(stage_modules) != num_stages:
+        raise PipelineUsageError(
+            f"got {len(stage_modules)} stage modules, the schedule has "
+            f"{num_stages} stages ({pp} ranks x {num_stages // pp} chunks)"
+        )
+    return {s: stage_modules[s] for s in mine}
+
+
+def _check_input_meta(
+    input_meta: Mapping[int, TensorMeta | Sequence[TensorMeta]] | None, num_stages: int
+) -> None:
+    """Static metadata may name only stages the schedule has: a typo would be ignored."""
+    unknown = sorted(set(input_meta or {}) - set(range(num_stages)))
+    if unknown:
+        raise PipelineUsageError(
+            f"input_meta names stages {unknown}, the schedule has 0..{num_stages - 1}"
+        )
 
 
 def _lowered(

@@ -53,9 +53,10 @@ from cadence.pipeline.runtime.errors import (
     PipelineStateError,
     PipelineUsageError,
 )
-from cadence.pipeline.runtime.grad_sync import StageGradSync
+from cadence.pipeline.runtime.grad_sync import StageGradSync, last_backwards, split_refusal
 from cadence.pipeline.runtime.groups import ChannelMode, build_channel_groups
 from cadence.pipeline.runtime.lookahead import check_lookahead, recv_plan
+from cadence.pipeline.runtime.lookahead import p2p_runs as _p2p_runs
 from cadence.pipeline.runtime.metadata import agree_metadata
 from cadence.pipeline.runtime.microbatch import (
     LossPolicy,
@@ -63,7 +64,7 @@ from cadence.pipeline.runtime.microbatch import (
     split_microbatches,
 )
 from cadence.pipeline.runtime.stage import PipelineStage
-from cadence.pipeline.runtime.tied import TiedParameters, TieSpec, check_ties, find_tied
+from cadence.pipeline.runtime.tied import Tied, TiedParameters, Ties, TieSpec, resolve_ties
 from cadence.pipeline.schedule.channels import CHANNEL_MODES, channel_plan
 from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
 from cadence.pipeline.schedule.sim import verify
@@ -132,23 +133,9 @@ class PipelineRuntime:
         batch_p2p: bool = False,
         recv_lookahead: int | None = None,
     ) -> None:
-        if not isinstance(schedule, Schedule):
-            raise PipelineUsageError(
-                f"PipelineRuntime takes a lowered cadence Schedule, got {type(schedule).__name__}; "
-                "build one with Schedule.from_lists(actions, placement) and lower() it, or "
-                "use build_pipeline(name, ...)"
-            )
-        if channel_mode not in CHANNEL_MODES:
-            raise PipelineUsageError(f"channel_mode={channel_mode!r}; use one of {CHANNEL_MODES}")
-        lookahead = check_lookahead(recv_lookahead, channel_mode, batch_p2p)
-        pp_ranks = (
-            tuple(groups.pp_ranks) if groups is not None else tuple(range(dist.get_world_size()))
+        lookahead, pp_ranks = _check_arguments(
+            schedule, channel_mode, batch_p2p, recv_lookahead, groups
         )
-        if schedule.num_ranks != len(pp_ranks):
-            raise PipelineUsageError(
-                f"the schedule has {schedule.num_ranks} pipeline ranks but the pp group has "
-                f"{len(pp_ranks)} ({list(pp_ranks)}); generate it for pp={len(pp_ranks)}"
-            )
         # The gate: every rank verifies the same global schedule, so a bad one
         # raises on every rank here, before any process group exists.
         verify(schedule, mode=channel_mode)
@@ -158,24 +145,38 @@ class PipelineRuntime:
         self.num_stages = schedule.num_stages
         self.n_microbatches = schedule.meta.m
         self.loss_fn = loss_fn
-        self.policy = LossPolicy(loss_reduction)  # type: ignore[arg-type]
+        self.policy = LossPolicy(loss_reduction)  # type: ignore[arg-type]  # a str here; LossPolicy checks it
         self.event_log = event_log
         self.pp_ranks = pp_ranks
         self.pp_rank = pp_ranks.index(dist.get_rank())
         self.stages = {st.stage_index: st for st in stages}
         self.actions: tuple[Action, ...] = schedule.ranks[self.pp_rank]
+        ties, tied, local_error = self._local_checks(tied_parameters)
+        self._plan_stages()
+        self._connect(groups, local_error, ties)
+        # See [Note: tied parameters across stages] in tied.py.
+        self.tied = TiedParameters(
+            ties, tied, self.placement, self.channel_groups.all_pp_groups, event_log
+        )
+        self._route_actions()
+        self._meta_ready = False  # every rank agrees the stage metadata at the first step
+        self._plan_posting(batch_p2p, lookahead)
+
+    # -- construction -----------------------------------------------------------
+
+    def _local_checks(self, tied_parameters: Sequence[TieSpec]) -> tuple[Ties, Tied, str | None]:
+        """Misuses only this rank can see, returned for the plan vote rather than raised."""
         # A local misuse is voted on with the plan (groups.py) rather than raised
         # here, so that the other ranks fail with it instead of hanging.
         self._sync = {s: StageGradSync(st.module) for s, st in self.stages.items()}
-        ties: tuple[tuple[tuple[int, str], ...], ...] = ()
-        tie_error = None
-        try:
-            ties = check_ties(tied_parameters, self.num_stages)
-            tied = find_tied(ties, {s: st.module for s, st in self.stages.items()})
-        except PipelineUsageError as e:
-            tie_error, tied = str(e), {}
-        local_error = self._stage_mismatch() or tie_error or self._split_refusal()
-        self._last_backward = self._find_last_backwards()
+        modules = {s: st.module for s, st in self.stages.items()}
+        ties, tied, tie_error = resolve_ties(tied_parameters, self.num_stages, modules)
+        local_error = self._stage_mismatch() or tie_error
+        return ties, tied, local_error or split_refusal(self.actions, self._sync)
+
+    def _plan_stages(self) -> None:
+        """What the action list asks of each local stage, derived once rather than per step."""
+        self._last_backward = last_backwards(self.actions)
         for s in {
             a.stage for a in self.actions if a.kind in (ActionKind.UNSHARD, ActionKind.RESHARD)
         }:
@@ -184,25 +185,27 @@ class PipelineRuntime:
         self._forward_actions = tuple(
             x for a in self.actions for x in (a.sub or (a,)) if _forward_only(x)
         )
+
+    def _connect(self, groups: ParallelGroups | None, local_error: str | None, ties: Ties) -> None:
+        """The plan vote and the channel communicators: the first collective of the runtime."""
         self._pp_comm = Comm(groups.pp if groups is not None else None, name="pp")
         # Collective over the world; raises PlanMismatchError before any group exists.
         self.channel_groups = build_channel_groups(
             self.plan,
-            pp_ranks=pp_ranks,
+            pp_ranks=self.pp_ranks,
             pp_group=groups.pp if groups is not None else None,
-            event_log=event_log,
+            event_log=self.event_log,
             local_error=local_error,
             agree=("tied_parameters", ties),
             pp_groups=groups.topology.groups_of("pp") if groups is not None else None,
         )
-        # See [Note: tied parameters across stages] in tied.py.
-        self.tied = TiedParameters(
-            ties, tied, self.placement, self.channel_groups.all_pp_groups, event_log
-        )
+
+    def _route_actions(self) -> None:
+        """Each transfer's communicator and each kind's handler, looked up once, not per step."""
         # The per-action route, derived once from the placement (validate_lowered
         # checked any channel an action states against it): the communicator of the
         # action's channel and payload, and the peer's rank in it.
-        comms = self.channel_groups.comms(event_log)
+        comms = self.channel_groups.comms(self.event_log)
         self._route = {
             a: comms[(self._channel(a), cast(Payload, a.payload))]  # a transfer has a payload
             for a in self.actions
@@ -224,7 +227,9 @@ class PipelineRuntime:
             ActionKind.UNSHARD: lambda a, i, st: self._sync[a.stage].unshard(),
             ActionKind.RESHARD: lambda a, i, st: self._sync[a.stage].reshard(),
         }
-        self._meta_ready = False
+
+    def _plan_posting(self, batch_p2p: bool, lookahead: int) -> None:
+        """When each transfer is posted (batched runs, receives ahead), for both action lists."""
         self.local_handoffs = 0  # lifetime count of LOCAL hand-offs (tests read it)
         self.batch_p2p = bool(batch_p2p)
         self.p2p_batches = 0  # lifetime count of batch_isend_irecv calls (tests read it)
@@ -255,31 +260,9 @@ class PipelineRuntime:
                 return f"{st} says num_stages={st.num_stages}, the schedule has {self.num_stages}"
         return None
 
-    def _split_refusal(self) -> str | None:
-        split = {
-            c.stage
-            for a in self.actions
-            for c in a.compute_parts()
-            if c.kind in (ActionKind.I, ActionKind.W)
-        }
-        for s in sorted(split & set(self._sync)):
-            why = self._sync[s].split_refusal()
-            if why is not None:
-                return f"stage {s}: {why}"
-        return None
-
     def _channel(self, a: Action) -> tuple[int, int]:
         src, dst = (a.peer_stage, a.stage) if a.kind is ActionKind.RECV else (a.stage, a.peer_stage)
         return (self.placement[src], self.placement[dst])  # type: ignore[index]  # Action.__post_init__ sets a transfer's peer and payload; Optional on Action
-
-    def _find_last_backwards(self) -> dict[int, int]:
-        """Per local stage, the index of its last gradient-producing action (B or W)."""
-        last: dict[int, int] = {}
-        for i, a in enumerate(self.actions):
-            for c in a.compute_parts():
-                if c.kind in (ActionKind.B, ActionKind.W):
-                    last[c.stage] = i
-        return last
 
     # -- public API -------------------------------------------------------------
 
@@ -556,27 +539,36 @@ class PipelineRuntime:
             self.event_log.mark("pp_wait_reduce_grad", stage=a.stage, mb=a.mb)
 
 
+def _check_arguments(
+    schedule: Schedule,
+    channel_mode: ChannelMode,
+    batch_p2p: bool,
+    recv_lookahead: int | None,
+    groups: ParallelGroups | None,
+) -> tuple[int, tuple[int, ...]]:
+    """The constructor's refusals, before `verify`; the receive lookahead and the pp ranks."""
+    if not isinstance(schedule, Schedule):
+        raise PipelineUsageError(
+            f"PipelineRuntime takes a lowered cadence Schedule, got {type(schedule).__name__}; "
+            "build one with Schedule.from_lists(actions, placement) and lower() it, or "
+            "use build_pipeline(name, ...)"
+        )
+    if channel_mode not in CHANNEL_MODES:
+        raise PipelineUsageError(f"channel_mode={channel_mode!r}; use one of {CHANNEL_MODES}")
+    lookahead = check_lookahead(recv_lookahead, channel_mode, batch_p2p)
+    pp_ranks = tuple(groups.pp_ranks) if groups is not None else tuple(range(dist.get_world_size()))
+    if schedule.num_ranks != len(pp_ranks):
+        raise PipelineUsageError(
+            f"the schedule has {schedule.num_ranks} pipeline ranks but the pp group has "
+            f"{len(pp_ranks)} ({list(pp_ranks)}); generate it for pp={len(pp_ranks)}"
+        )
+    return lookahead, pp_ranks
+
+
 def _forward_only(a: Action) -> bool:
     if a.kind in _TRANSFERS:
         return a.payload is Payload.ACT
     return a.kind in _FORWARD_KINDS
-
-
-def _p2p_runs(actions: Sequence[Action]) -> dict[int, tuple[Action, ...]]:
-    """Index of each run's first SEND/RECV -> the run; later members -> ()."""
-    runs: dict[int, tuple[Action, ...]] = {}
-    i = 0
-    while i < len(actions):
-        j = i
-        while j < len(actions) and actions[j].kind in (ActionKind.SEND, ActionKind.RECV):
-            j += 1
-        if j > i:
-            runs[i] = tuple(actions[i:j])
-            runs.update({k: () for k in range(i + 1, j)})
-            i = j
-        else:
-            i += 1
-    return runs
 
 
 def _send_key(a: Action) -> _SendKey:

@@ -42,6 +42,7 @@ stage's last W, which is therefore the one that reduces.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -49,8 +50,9 @@ from cadence._timing import GradientTiming
 from cadence._torch_timing import gradient_timing
 from cadence.comm import ReductionHandle
 from cadence.pipeline.runtime.errors import PipelineStateError
+from cadence.pipeline.schedule.ir import Action, ActionKind
 
-__all__ = ["StageGradSync"]
+__all__ = ["StageGradSync", "last_backwards", "split_refusal"]
 
 
 class StageGradSync:
@@ -156,3 +158,28 @@ class StageGradSync:
             fn = getattr(m, "reshard", None)
             if fn is not None and isinstance(m, GradientTiming):
                 fn()
+
+
+def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
+    """Per local stage, the index of its last gradient-producing action (B or W)."""
+    last: dict[int, int] = {}
+    for i, a in enumerate(actions):
+        for c in a.compute_parts():
+            if c.kind in (ActionKind.B, ActionKind.W):
+                last[c.stage] = i
+    return last
+
+
+def split_refusal(actions: Sequence[Action], syncs: Mapping[int, StageGradSync]) -> str | None:
+    """Why a local stage with I/W actions cannot split its backward, or None if all can."""
+    split = {
+        c.stage
+        for a in actions
+        for c in a.compute_parts()
+        if c.kind in (ActionKind.I, ActionKind.W)
+    }
+    for s in sorted(split & set(syncs)):
+        why = syncs[s].split_refusal()
+        if why is not None:
+            return f"stage {s}: {why}"
+    return None

@@ -1,4 +1,4 @@
-"""Receives posted ahead of the schedule, on per-edge channels.
+"""Transfers posted ahead of the schedule: receives on per-edge channels, batched runs.
 
 [Note: receive lookahead]
 A RECV in a lowered list is posted where `order_comms` put it: after the computes
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from cadence.pipeline.runtime.errors import PipelineUsageError
 from cadence.pipeline.schedule import Action, ActionKind
 
-__all__ = ["RecvPlan", "check_lookahead", "recv_plan"]
+__all__ = ["RecvPlan", "check_lookahead", "p2p_runs", "recv_plan"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,27 @@ def recv_plan(
         for pos, i in enumerate(indices):
             on_reach[i] = tuple(indices[pos : pos + lookahead + 1])
     return RecvPlan(tuple(sorted(at_start)), on_reach)
+
+
+def p2p_runs(actions: Sequence[Action]) -> dict[int, tuple[Action, ...]]:
+    """Index of each run's first SEND/RECV -> the run; later members -> ().
+
+    What ``batch_p2p`` posts ahead: a whole run of transfers at its first action (see
+    [Note: batched P2P] in ``executor.py``).
+    """
+    runs: dict[int, tuple[Action, ...]] = {}
+    i = 0
+    while i < len(actions):
+        j = i
+        while j < len(actions) and actions[j].kind in (ActionKind.SEND, ActionKind.RECV):
+            j += 1
+        if j > i:
+            runs[i] = tuple(actions[i:j])
+            runs.update({k: () for k in range(i + 1, j)})
+            i = j
+        else:
+            i += 1
+    return runs
 
 
 def check_lookahead(k: int | None, channel_mode: str, batch_p2p: bool) -> int:

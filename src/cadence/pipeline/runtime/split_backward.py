@@ -89,7 +89,7 @@ def _node(t: torch.Tensor) -> Node | None:
     if t.grad_fn is not None:
         return t.grad_fn
     if t.requires_grad:  # a leaf: its AccumulateGrad node, reached through a view
-        return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]  # a view of a grad-requiring leaf has a grad_fn
     return None
 
 
@@ -102,7 +102,23 @@ def backward_input(
     roots = list(roots)
     rgrads = None if root_grads is None else list(root_grads)
     input_nodes = {n for n in map(_node, inputs) if n is not None}
-    # -- the graph, reversed, and its weight leaves
+    parents, leaves, seen = _reverse_graph(roots, input_nodes)
+    on_path = _input_path(input_nodes & seen, parents)
+    groups, residual = _group_weights(leaves, parents, on_path)
+    grads = _input_grads(roots, rgrads, inputs, groups)
+    if not residual:  # nothing goes back through the roots: let them go now
+        roots, rgrads = [], None
+    return grads, SplitBackward(groups, roots, rgrads, residual)
+
+
+def _reverse_graph(
+    roots: Sequence[torch.Tensor], input_nodes: set[Node]
+) -> tuple[dict[Node, list[Node]], dict[Node, torch.Tensor], set[Node]]:
+    """The graph reversed (node -> parents), its weight leaves and every node reached.
+
+    One walk from the roots serves every later phase: the input path and each
+    weight's boundary are both searched upwards, through ``parents``.
+    """
     parents: dict[Node, list[Node]] = {}
     leaves: dict[Node, torch.Tensor] = {}
     queue = deque(n for n in map(_node, roots) if n is not None)
@@ -119,45 +135,53 @@ def backward_input(
             if nxt not in seen:
                 seen.add(nxt)
                 queue.append(nxt)
-    # -- nodes on a path from the roots to an input
-    on_path = set(input_nodes & seen)
+    return parents, leaves, seen
+
+
+def _input_path(reached_inputs: set[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """The nodes on a path from the roots to an input: what I must run, and W must not."""
+    on_path = set(reached_inputs)
     queue = deque(on_path)
     while queue:
         for p in parents.get(queue.popleft(), ()):
             if p not in on_path:
                 on_path.add(p)
                 queue.append(p)
-    # -- per weight, the boundary nodes where its side joins the input path
+    return on_path
+
+
+def _boundary(leaf: Node, parents: dict[Node, list[Node]], on_path: set[Node]) -> set[Node]:
+    """Where a weight's side of the graph joins the input path: the nodes W re-runs."""
+    boundary: set[Node] = set()
+    walked = {leaf}
+    queue = deque([leaf])
+    while queue:
+        for p in parents.get(queue.popleft(), ()):
+            if p in on_path:
+                boundary.add(p)
+            elif p not in walked:
+                walked.add(p)
+                queue.append(p)
+    return boundary
+
+
+def _group_weights(
+    leaves: dict[Node, torch.Tensor], parents: dict[Node, list[Node]], on_path: set[Node]
+) -> tuple[list[_Group], list[torch.Tensor]]:
+    """Weights whose boundaries overlap, grouped (one autograd call each), and the rest.
+
+    The rest (the residual) reaches the roots without crossing the input path; see
+    [Note: W accumulates through the leaves] for why groups must not be merged further.
+    """
     owner: dict[Node, int] = {}  # boundary node -> group id
     members: list[tuple[set[Node], list[torch.Tensor]]] = []
     residual: list[torch.Tensor] = []
     for leaf, weight in leaves.items():
-        boundary: set[Node] = set()
-        walked = {leaf}
-        queue = deque([leaf])
-        while queue:
-            for p in parents.get(queue.popleft(), ()):
-                if p in on_path:
-                    boundary.add(p)
-                elif p not in walked:
-                    walked.add(p)
-                    queue.append(p)
+        boundary = _boundary(leaf, parents, on_path)
         if not boundary:
             residual.append(weight)
             continue
-        ids = sorted({owner[b] for b in boundary if b in owner})
-        if ids:  # merge every group this weight touches into the first
-            keep = ids[0]
-            for j in ids[1:]:
-                nodes, ws = members[j]
-                members[keep][0].update(nodes)
-                members[keep][1].extend(ws)
-                members[j] = (set(), [])
-                for b in nodes:
-                    owner[b] = keep
-        else:
-            keep = len(members)
-            members.append((set(), []))
+        keep = _merge_groups(sorted({owner[b] for b in boundary if b in owner}), owner, members)
         members[keep][0].update(boundary)
         members[keep][1].append(weight)
         for b in boundary:
@@ -165,7 +189,36 @@ def backward_input(
     groups = [_Group(list(nodes), ws) for nodes, ws in members if ws]
     for g in groups:
         g.saved = [None] * len(g.nodes)
-    # -- I: input gradients, saving what flows into each boundary node
+    return groups, residual
+
+
+def _merge_groups(
+    ids: list[int],
+    owner: dict[Node, int],
+    members: list[tuple[set[Node], list[torch.Tensor]]],
+) -> int:
+    """The group a weight joins: every group it touches merged into the first, or a new one."""
+    if not ids:
+        members.append((set(), []))
+        return len(members) - 1
+    keep = ids[0]
+    for j in ids[1:]:
+        nodes, ws = members[j]
+        members[keep][0].update(nodes)
+        members[keep][1].extend(ws)
+        members[j] = (set(), [])
+        for b in nodes:
+            owner[b] = keep
+    return keep
+
+
+def _input_grads(
+    roots: list[torch.Tensor],
+    rgrads: list[torch.Tensor] | None,
+    inputs: Sequence[torch.Tensor],
+    groups: list[_Group],
+) -> Grads:
+    """I proper: the input gradients, saving what flows into each boundary node for W."""
     handles = []
     for g in groups:
         for i, node in enumerate(g.nodes):
@@ -185,7 +238,4 @@ def backward_input(
         for h in handles:
             h.remove()
     out = iter(dins)
-    grads = tuple(next(out) if t.requires_grad else None for t in inputs)
-    if not residual:  # nothing goes back through the roots: let them go now
-        roots, rgrads = [], None
-    return grads, SplitBackward(groups, roots, rgrads, residual)
+    return tuple(next(out) if t.requires_grad else None for t in inputs)

@@ -32,10 +32,12 @@ from torch import nn
 from cadence.comm import Comm, EventLog
 from cadence.pipeline.runtime.errors import PipelineUsageError
 
-__all__ = ["TieSpec", "TiedParameters", "check_ties", "find_tied"]
+__all__ = ["TieSpec", "Tied", "TiedParameters", "Ties", "check_ties", "find_tied", "resolve_ties"]
 
 # One tie: the (stage, parameter name in that stage's module) of every copy.
 TieSpec = Sequence[tuple[int, str]]
+Ties = tuple[tuple[tuple[int, str], ...], ...]  # checked ties, the same on every rank
+Tied = dict[tuple[int, str], nn.Parameter]  # this rank's copies, by (stage, name)
 
 
 def check_ties(ties: Sequence[TieSpec], num_stages: int) -> tuple[tuple[tuple[int, str], ...], ...]:
@@ -84,6 +86,18 @@ def find_tied(
     if errors:
         raise PipelineUsageError("tied_parameters: " + "; ".join(errors))
     return params
+
+
+def resolve_ties(
+    ties: Sequence[TieSpec], num_stages: int, modules: Mapping[int, nn.Module]
+) -> tuple[Ties, Tied, str | None]:
+    """`check_ties` then `find_tied`, a failure returned: the plan vote reports it everywhere."""
+    checked: Ties = ()
+    try:
+        checked = check_ties(ties, num_stages)
+        return checked, find_tied(checked, modules), None
+    except PipelineUsageError as e:
+        return checked, {}, str(e)
 
 
 class TiedParameters:

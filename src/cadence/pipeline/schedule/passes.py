@@ -265,7 +265,7 @@ def complete_comms(sched: Schedule) -> Schedule:
                 key = (a.peer_stage, a.stage, a.payload, a.mb, a.slot)
                 hit = numbered.get(key)
                 # A RECV with no SEND keeps seq None; validate_lowered names it.
-                ch, sq = hit if hit is not None else ((place[a.peer_stage], r), None)  # type: ignore[index]
+                ch, sq = hit if hit is not None else ((place[a.peer_stage], r), None)  # type: ignore[index]  # seq None for an unmatched RECV (see above)
                 row[i] = a.linked(ch, sq)
     return sched.with_ranks(rows, lowered=True)
 

@@ -54,7 +54,7 @@ def show_schedule(
     sched = load_schedule(name, pp, microbatches, chunks)
     low = sched if sched.meta.lowered else lower(sched)
     try:
-        result = verify(low, mode=mode)  # type: ignore[arg-type]
+        result = verify(low, mode=mode)  # type: ignore[arg-type]  # a CLI str; verify checks it
     except ScheduleDeadlockError as e:
         print(f"simulator rejects the schedule:\n{e}", file=stderr)
         return 2
