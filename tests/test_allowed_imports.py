@@ -125,6 +125,7 @@ ROOMS: dict[str, set[str]] = {
     "train/": {
         "errors.py",
         "_lazy.py",
+        "_timing.py",  # GradientTiming: the verbs the loop calls on either wrapper
         "_owned.py",
         "_dist_init.py",
         "launch.py",
@@ -217,6 +218,7 @@ DIST_USERS: dict[str, tuple[set[str], str]] = {
     "train/": ({DCP}, "checkpoints through DCP"),
     "train/run.py": ({DIST}, "object all-gathers around the loop; destroys its group"),
     "train/checkpoint.py": ({DIST}, "a gloo group for async saves; rank 0's verdict"),
+    "train/clip.py": ({DTENSOR}, "the local shard of a fully_shard gradient"),
     "bench/": ({DIST, MESH, FSDP2, PIPELINING}, "times torch's own DDP, FSDP2, pipelining"),
 }
 

@@ -187,6 +187,8 @@ def _config_file_defaults(argv: list[str]) -> dict[str, Any] | None:
     from cadence.train.config_file import given_model_keys, read_config_file
 
     table = read_config_file(known.config)
+    if "model_config" in table:  # --model-config's keys are added over the file's
+        table["model_config_base"] = table.pop("model_config")
     model = table.pop("model", None)
     if model is not None:
         table.update(model_base=model, d_model=model.d_model, layers=model.n_layers)
@@ -203,7 +205,9 @@ def add_train_subcommand(
     subparsers: Any, defaults: dict[str, Any] | None = None
 ) -> argparse.ArgumentParser:
     """Add ``train`` to an argparse sub-parser collection (``defaults``: see `build_parser`)."""
-    p = subparsers.add_parser("train", help="train the embedded TinyGPT on N local ranks")
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "train", help="train the embedded TinyGPT on N local ranks"
+    )
     d = TrainConfig()
     p.add_argument(
         "--config",
@@ -215,7 +219,54 @@ def add_train_subcommand(
     )
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch per step")
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW's (peak) learning rate")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=d.warmup_steps,
+        metavar="N",
+        help="raise the learning rate linearly to --lr over the first N steps (0: none)",
+    )
+    p.add_argument(
+        "--lr-schedule",
+        choices=["constant", "cosine"],
+        default=d.lr_schedule,
+        help="after the warmup: keep --lr, or decay it to --min-lr by the last step",
+    )
+    p.add_argument(
+        "--min-lr",
+        type=float,
+        default=d.min_lr,
+        help="with --lr-schedule cosine: the final learning rate (default 0)",
+    )
+    p.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=d.clip_grad_norm,
+        metavar="X",
+        help="scale the gradients to a global norm of at most X (over the whole model)",
+    )
+    p.add_argument(
+        "--peak-flops",
+        type=float,
+        default=d.peak_flops,
+        metavar="FLOPS",
+        help="one device's peak FLOP/s, for the summary's MFU (omitted without it)",
+    )
+    p.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=d.sample_tokens,
+        metavar="N",
+        help="after training, generate N tokens (pp 1 only), print them and save "
+        "RUN_DIR/samples.txt (0: none)",
+    )
+    p.add_argument(
+        "--sample-temperature",
+        type=float,
+        default=d.sample_temperature,
+        help="with --sample-tokens: sampling temperature (0, the default, is greedy)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--finalize",
@@ -246,6 +297,21 @@ def add_train_subcommand(
         default=d.channel_mode,
         choices=["", *CHANNEL_MODES],
         help="with --pp: P2P communicators (per_directed_edge)",
+    )
+    p.add_argument(
+        "--model",
+        dest="model_factory",
+        default=d.model_factory,
+        metavar="FACTORY",
+        help="train another model than TinyGPT: llama, hf:<ClassName> (transformers, from "
+        "--model-config, no weights) or package.module:factory (returns an nn.Module)",
+    )
+    p.add_argument(
+        "--model-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="--model's keyword arguments, a JSON object (added over [train.model_config])",
     )
     p.add_argument("--d-model", type=int, default=d.model.d_model)
     p.add_argument("--layers", type=int, default=d.model.n_layers)
@@ -354,9 +420,22 @@ def add_train_subcommand(
     )
     _add_debug(p)
     # Options without a flag (a config file may set them), and the file's model shape.
-    p.set_defaults(func=_train, timeout=d.timeout, model_base=d.model)
+    p.set_defaults(func=_train, timeout=d.timeout, model_base=d.model, model_config_base={})
     p.set_defaults(**(defaults or {}))
     return p
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """``--model-config``'s value: a JSON object."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
+    return value
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -368,10 +447,18 @@ def _train(args: argparse.Namespace) -> int:
         vocab = data_vocab(args.data, dtype=args.data_dtype, tokenizer=args.tokenizer)
     model = model_from_flags(args.model_base, args.d_model, args.layers, vocab)
     values = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in ("model", "model_config")
     }
-    cfg = TrainConfig(**values, model=model)
+    kwargs = {**args.model_config_base, **(args.model_config or {})}
+    cfg = TrainConfig(**values, model=model, model_config=kwargs)
     preflight(cfg)  # what this machine must give the run, before any rank starts
+    if cfg.model_factory:
+        # Imports torch and the factory's module: only for a --model run.
+        from cadence.train.model_factory import check_model
+
+        check_model(cfg)
     from cadence.train.run import train  # imports torch: only when training runs
 
     train(cfg)
@@ -383,7 +470,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def add_schedule_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``schedule show`` and ``schedule compare`` to an argparse sub-parser collection."""
-    parser = subparsers.add_parser("schedule", help="inspect pipeline schedules (no process group)")
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "schedule", help="inspect pipeline schedules (no process group)"
+    )
     _add_debug(parser)
     sub = parser.add_subparsers(dest="schedule_command", required=True)
     show = sub.add_parser("show", help="ASCII grid, PNG and simulator statistics of a schedule")
@@ -453,7 +542,7 @@ def _schedule_compare(args: argparse.Namespace) -> int:
 
 def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` to an argparse sub-parser collection."""
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "bench",
         help="cadence vs PyTorch's own DDP, FSDP2, pipelining, torch.compile (and cloudpickle)",
     )

@@ -89,3 +89,25 @@ def test_another_world_size_without_fsdp_and_other_settings_are_refused(tmp_path
         run_distributed(body_train, {"resume": True}, run, world_size=1)
     with pytest.raises(LaunchError, match=r"other settings \(lr: saved 0.003, now 0.1\)"):
         run_distributed(body_train, {"resume": True, "lr": 0.1}, run, world_size=2)
+
+
+SCHEDULED = {"warmup_steps": 2, "lr_schedule": "cosine", "min_lr": 1e-4, "clip_grad_norm": 0.3}
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [SCHEDULED, {**SCHEDULED, "pp": 2}],
+    ids=["dp", "pp2"],
+)
+def test_resume_with_schedule_and_clipping_is_bit_identical(tmp_path: Path, flags: dict) -> None:
+    """Warmup, cosine decay and clipping on: the resumed run's losses are the unbroken
+    run's, bit for bit, and the checkpoint holds the schedule's state."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    results = run_distributed(body_resume, flags, str(tmp_path), 3, 5, world_size=2, timeout=150)
+    for r in results:
+        assert r["resumed"] == r["full"] and len(r["full"]) == 8
+        assert r["history"].resumes == [3]
+    saved = FileSystemReader(str(tmp_path / "cut" / "checkpoints" / "step-3")).read_metadata()
+    key = "lr_schedule/optim_pp0" if flags.get("pp") else "lr_schedule/optim"
+    assert {f"{key}/last_epoch", f"{key}/base_lrs"} <= set(saved.state_dict_metadata)

@@ -29,7 +29,7 @@ import pytest
 
 from cadence.cli import build_parser
 from cadence.models.config import GPTConfig
-from cadence.train.config import MODEL_RULES, RULES, TrainConfig, TrainConfigError
+from cadence.train.config import MODEL_RULES, RULES, TrainConfig, TrainConfigError, option_name
 from cadence.train.config_file import read_config_file
 from cadence.train.preflight import memory_needed, preflight
 
@@ -38,7 +38,8 @@ pytestmark = pytest.mark.torch_free
 
 def test_every_field_has_a_rule_of_its_annotated_kind() -> None:
     hints = typing.get_type_hints(TrainConfig)
-    assert set(RULES) == {f.name for f in fields(TrainConfig)} - {"model"}
+    # model and model_config are tables, checked by their own rules
+    assert set(RULES) == {f.name for f in fields(TrainConfig)} - {"model", "model_config"}
     names = {bool: "bool", int: "int", float: "float", str: "str"}
     for name, rule in RULES.items():
         hint = hints[name]
@@ -58,8 +59,8 @@ def test_every_field_but_timeout_has_a_flag() -> None:
     train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     flags = {s for a in train._actions for s in a.option_strings}
     for name in RULES:
-        flag = "--" + name.replace("_", "-")
-        assert (flag in flags) == (name != "timeout"), name
+        assert (option_name(name) in flags) == (name != "timeout"), name
+    assert "--model-config" in flags
 
 
 REFUSED = [

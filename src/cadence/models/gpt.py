@@ -67,6 +67,8 @@ class Head(nn.Module):
 class TinyGPT(nn.Module):
     """Embedding -> blocks -> head. ``forward`` returns logits (B, T, V)."""
 
+    cadence_blocks = "blocks"  # the fully_shard units (cadence.models.protocol)
+
     def __init__(self, cfg: GPTConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg or GPTConfig()

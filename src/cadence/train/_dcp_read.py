@@ -48,7 +48,7 @@ class _CheckedFileSystem(FileSystem):
                 "start over with --overwrite"
             )
         with open_verified(path, entry, " (checked again as it was read)") as stream:
-            yield stream  # type: ignore[misc]
+            yield stream  # type: ignore[misc]  # an IO[bytes] file, typed apart from IOBase
 
 
 class CheckedReader(FileSystemReader):

@@ -2,9 +2,13 @@
 
 One composition for every layout (see `Layout`):
 
-- ``pp == 1``: the whole TinyGPT, wrapped with ``DataParallel`` (default) or
+The model is the embedded TinyGPT, or ``--model``'s (`cadence.train.model_factory`),
+whose blocks (the fully_shard units) and stage cuts come from the block protocol
+(`cadence.models.protocol`).
+
+- ``pp == 1``: the whole model, wrapped with ``DataParallel`` (default) or
   ``fully_shard`` (``--fsdp``: each block, then the root).
-- ``pp > 1``: TinyGPT cut into ``pp x chunks`` stages; this rank keeps the stages
+- ``pp > 1``: the model cut into ``pp x chunks`` stages; this rank keeps the stages
   the schedule places on its pipeline position and wraps each the same way when
   there are data-parallel replicas (or with ``--fsdp``), then `build_pipeline`
   builds the runtime, which drives the wrappers through their public timing
@@ -21,19 +25,24 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from cadence.comm import EventLog
 from cadence.data_parallel import DataParallel
 from cadence.fsdp import MixedPrecisionPolicy, fully_shard
 from cadence.models.data import MarkovTokens
-from cadence.models.gpt import Block, TinyGPT
+from cadence.models.gpt import TinyGPT
+from cadence.models.protocol import model_blocks, split_model
 from cadence.pipeline.runtime.build import build_pipeline
 from cadence.pipeline.runtime.executor import PipelineRuntime
 from cadence.pipeline.schedule.generators import placement_for
 from cadence.topology import ParallelGroups, Topology
+from cadence.train.clip import GradClipper
 from cadence.train.config import Layout, TrainConfig
 from cadence.train.data.corpus import corpus_of
 from cadence.train.data.windows import TokenWindows
+from cadence.train.lr_schedule import make_scheduler
+from cadence.train.model_factory import build_model
 
 __all__ = [
     "EVENT_LOG_CAPACITY",
@@ -78,6 +87,10 @@ class TrainState:
         lineage: the run's lineage id, recorded in each checkpoint's manifest: a resume
             carries on the loaded one, a fresh run draws one in its `Checkpointer`
             (see [Note: a run's lineage] in `cadence.train.checkpoint`).
+        scheduler: the optimizer's learning-rate schedule, stepped after each optimizer
+            step (see [Note: the learning-rate schedule] in `cadence.train.lr_schedule`).
+        clipper: ``--clip-grad-norm``'s clipping, called before each optimizer step;
+            None without the flag.
     """
 
     layout: Layout
@@ -90,6 +103,8 @@ class TrainState:
     step: int = 0
     event_log: EventLog = field(default_factory=EventLog)
     lineage: str | None = None
+    scheduler: LRScheduler | None = None
+    clipper: GradClipper | None = None
 
 
 def topology_for(layout: Layout) -> Topology:
@@ -102,7 +117,12 @@ def topology_for(layout: Layout) -> Topology:
 
 
 def _wrap(
-    module: nn.Module, cfg: TrainConfig, layout: Layout, pg: ParallelGroups, log: EventLog
+    module: nn.Module,
+    cfg: TrainConfig,
+    layout: Layout,
+    pg: ParallelGroups,
+    log: EventLog,
+    blocks: frozenset[int] = frozenset(),
 ) -> nn.Module:
     if layout.wrapper == "DataParallel":
         assert layout.bucket_cap_mb is not None  # Layout sets it for DataParallel
@@ -113,14 +133,17 @@ def _wrap(
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         # Blocks first, then the rest: a unit per block lets the all-gather of the
         # next block overlap the compute of this one.
-        for block in [m for m in module.modules() if isinstance(m, Block)]:
+        # ``blocks``: the ids of the model's declared blocks (cadence.models.protocol).
+        for block in [m for m in module.modules() if id(m) in blocks]:
             fully_shard(block, group=pg, mp_policy=mp, event_log=log)
         return fully_shard(module, group=pg, mp_policy=mp, event_log=log)
     return module
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """TinyGPT's cross-entropy, in fp32 whatever the compute dtype."""
+    """TinyGPT's cross-entropy, in fp32 whatever the compute dtype. ``logits`` may be
+    a model output object whose ``.logits`` is the tensor (a ``transformers`` model's)."""
+    logits = getattr(logits, "logits", logits)
     return TinyGPT.loss(logits.float(), target)
 
 
@@ -140,17 +163,21 @@ def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
     # bounded] in cadence/_event_log.py); the timeline needs only the last few steps.
     log = EventLog(capacity=EVENT_LOG_CAPACITY)
     torch.manual_seed(cfg.seed)
-    model = TinyGPT(cfg.model)  # same init on every rank
+    model = build_model(cfg)  # same init on every rank
+    blocks = frozenset(map(id, model_blocks(model) or ()))
     data = make_data(cfg)
     if layout.pp == 1:
-        wrapped = _wrap(model, cfg, layout, pg, log)  # pp=1 always has a wrapper
-        wrapped.set_manual_backward_finalization(cfg.finalize == "manual")  # type: ignore[operator]
+        wrapped = _wrap(model, cfg, layout, pg, log, blocks)  # pp=1 always has a wrapper
+        wrapped.set_manual_backward_finalization(cfg.finalize == "manual")  # type: ignore[operator]  # _wrap gives a DataParallel or fully_shard module
         opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)
-        return TrainState(layout, pg, wrapped, None, [wrapped], opt, data, event_log=log)
-    chunks = model.split_stages(layout.stages)
+        state = TrainState(layout, pg, wrapped, None, [wrapped], opt, data, event_log=log)
+        return _with_update_rules(state, cfg)
+    chunks = split_model(model, layout.stages)
     placement = placement_for(layout.schedule, layout.pp, layout.chunks)
     stages = {
-        s: _wrap(chunks[s], cfg, layout, pg, log) for s, r in placement.items() if r == pg.pp_rank
+        s: _wrap(chunks[s], cfg, layout, pg, log, blocks)
+        for s, r in placement.items()
+        if r == pg.pp_rank
     }
     runtime = build_pipeline(
         layout.schedule,
@@ -159,10 +186,21 @@ def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
         chunks=layout.chunks,
         groups=pg,
         loss_fn=loss_fn,
-        channel_mode=cfg.channel_mode or "per_directed_edge",  # type: ignore[arg-type]
+        channel_mode=cfg.channel_mode or "per_directed_edge",  # type: ignore[arg-type]  # a str here; the runtime checks it
         unshard_lookahead=UNSHARD_LOOKAHEAD if layout.wrapper == "fully_shard" else None,
     )
     modules = [runtime.stages[s].module for s in sorted(runtime.stages)]
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
-    return TrainState(layout, pg, None, runtime, modules, opt, data, event_log=log)
+    state = TrainState(layout, pg, None, runtime, modules, opt, data, event_log=log)
+    return _with_update_rules(state, cfg)
+
+
+def _with_update_rules(state: TrainState, cfg: TrainConfig) -> TrainState:
+    """``state`` with its learning-rate schedule and, with ``--clip-grad-norm``, its
+    clipping over the optimizer's parameters (this rank's part of the model)."""
+    state.scheduler = make_scheduler(state.optimizer, cfg)
+    if cfg.clip_grad_norm is not None:
+        params = [p for g in state.optimizer.param_groups for p in g["params"]]
+        state.clipper = GradClipper(params, cfg.clip_grad_norm, state.layout, state.groups)
+    return state

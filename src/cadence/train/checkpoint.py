@@ -7,6 +7,8 @@ A checkpoint is the folder ``<run_dir>/checkpoints/step-<N>/`` holding, after st
   as shards and resharded on load; DataParallel replicas save one copy; each
   pipeline rank saves its own stages (keyed ``stage<s>``) and its own optimizer
   (``optim_pp<p>``);
+- ``lr_schedule/<optim key>/*``: the learning-rate schedule's step and base rates
+  (`cadence.train.lr_schedule`), beside the optimizer it schedules;
 - ``rng/rank<r>/*``: every rank's RNG states (torch, CUDA, ``random``, numpy) as
   uint8 tensors and JSON (`cadence.train._rng`);
 - ``history.json``: the `RunHistory` (every loss so far, checkpoints, restarts), which
@@ -85,7 +87,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -93,6 +95,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from cadence._owned import UntrustedPathError
+from cadence.train import lr_schedule
 from cadence.train._dcp_read import CheckedReader, WeightsOnlyPlanner
 from cadence.train._manifest import (
     HISTORY,
@@ -132,13 +135,31 @@ _MUST_MATCH = (
     "mixed_precision",
     "pp",
     "model",
+    "warmup_steps",
+    "lr_schedule",
+    "min_lr",
+    "clip_grad_norm",
+    "model_factory",
+    "model_config",
     "data",
     "data_dtype",
     "tokenizer",
     "val_fraction",
 )
-# Keys a manifest written before ``--data`` lacks: it trained with their defaults.
-_ADDED_LATER = {"data": "", "data_dtype": "", "tokenizer": "", "val_fraction": None}
+# Keys a manifest written before ``--data`` (or ``--model``) lacks: it trained with
+# their defaults.
+_ADDED_LATER: dict[str, Any] = {
+    "warmup_steps": 0,
+    "lr_schedule": "constant",
+    "min_lr": None,
+    "clip_grad_norm": None,
+    "model_factory": "",
+    "model_config": {},
+    "data": "",
+    "data_dtype": "",
+    "tokenizer": "",
+    "val_fraction": None,
+}
 
 # Refusals rank 0 raises while choosing a checkpoint, raised alike on every rank.
 _AGREED: dict[str, type[Exception]] = {
@@ -187,6 +208,8 @@ def _manifest(
             "microbatches": layout.microbatches,
         },
         "config": {k: v for k, v in asdict(cfg).items() if k in _MUST_MATCH},
+        # A cosine schedule decays over --steps: see `_check_compatible`.
+        "steps": cfg.steps,
         "files": file_entries(folder),
     }
 
@@ -333,6 +356,9 @@ def _check_compatible(cfg: TrainConfig, state: TrainState, manifest: dict[str, A
             f"the checkpoint was written by a run with other settings ({detail}); resume "
             "with the same flags, or use another --run-dir to start a new run"
         )
+    problem = lr_schedule.other_steps_problem(cfg, manifest.get("steps", cfg.steps))
+    if problem:
+        raise ResumeRefusedError(problem)
     old = manifest["world_size"]
     if old != layout.world and layout.wrapper != "fully_shard":
         raise ResumeRefusedError(
@@ -357,7 +383,7 @@ def _rank0_decides(decide: Callable[[], _T]) -> _T:
     dist.broadcast_object_list(box, src=0)
     ok, value = box[0]
     if ok:
-        return value
+        return cast(_T, value)  # rank 0's decide() result, carried by the broadcast
     if error is not None:
         raise error
     name, message = value
@@ -411,16 +437,25 @@ def load_checkpoint(cfg: TrainConfig, state: TrainState) -> tuple[RunHistory, st
         sd.update(rng_placeholders(reader.read_metadata(), rank))
     if not hashed:
         sd["history"] = ""
+    skey = f"lr_schedule/{okey}"  # beside the optimizer it schedules
+    if state.scheduler is not None:
+        sd.update(
+            lr_schedule.scheduler_placeholders(
+                reader.read_metadata(), skey, len(state.optimizer.param_groups)
+            )
+        )
     dcp.load(sd, storage_reader=reader, planner=WeightsOnlyPlanner())
     set_state_dict(root, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd[okey])
     if restore:
         restore_rng(sd, rank)
-    history = RunHistory.from_json(history_text if hashed else sd["history"])
+    history = RunHistory.from_json(history_text if history_text is not None else sd["history"])
     step = manifest["step"]
     if history.step != step:
         raise CheckpointError(
             f"{folder_s}: its history has {history.step} steps, its manifest {step}"
         )
+    if state.scheduler is not None:
+        lr_schedule.restore_scheduler(state.scheduler, state.optimizer, sd, skey, step)
     state.step = step
     # None (a checkpoint written before lineage ids): the Checkpointer draws a new one.
     state.lineage = manifest.get("lineage")
@@ -456,10 +491,15 @@ class Checkpointer:
         self.state = state
         self.root = checkpoint_dir(cfg.run_dir)
         self.rank = dist.get_rank()
-        self._pending: Future | None = None
+        self._pending: Future[None] | None = None
         self._committed = threading.Event()
         self._failed: BaseException | None = None
-        self._group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+        # Every rank is a member (ranks=None), so new_group returns a ProcessGroup.
+        self._group = (
+            cast(dist.ProcessGroup, dist.new_group(backend="gloo"))
+            if cfg.async_checkpoint
+            else None
+        )
         # Only rank 0 writes manifests, so only its id is ever recorded.
         if state.lineage is None:
             state.lineage = uuid.uuid4().hex
@@ -492,6 +532,9 @@ class Checkpointer:
             _optim_key(self.state): optim_sd,
             **rng_state_dict(self.rank),
         }
+        if self.state.scheduler is not None:
+            skey = f"lr_schedule/{_optim_key(self.state)}"
+            sd.update(lr_schedule.scheduler_state(self.state.scheduler, skey))
         # The text now: the history grows while a background save runs.
         text = history.to_json()
         tmp = self.root / f".step-{step}.tmp"
@@ -505,7 +548,7 @@ class Checkpointer:
         fut.add_done_callback(lambda f: self._on_done(f, tmp, step, text))
         self._pending = fut
 
-    def _on_done(self, fut: Future, tmp: Path, step: int, history: str) -> None:
+    def _on_done(self, fut: Future[None], tmp: Path, step: int, history: str) -> None:
         # On the save's thread: filesystem work only (hashing included), no collectives.
         try:
             fut.result()

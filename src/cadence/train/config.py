@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from typing import Any, Literal
 
 from cadence.errors import CadenceError
 from cadence.models.config import GPTConfig
@@ -36,6 +37,7 @@ from cadence.train._rules import ValueRule, derive_rules, text_problem
 
 __all__ = [
     "MODEL_RULES",
+    "MODEL_SPEC",
     "RULES",
     "Layout",
     "TrainConfig",
@@ -92,7 +94,27 @@ class TrainConfig:
     batch_size: int = 32
     """Global batch per step; each data-parallel replica trains on its equal slice."""
     lr: float = 3e-3
-    """AdamW learning rate."""
+    """AdamW learning rate: the peak of the schedule (see ``lr_schedule``)."""
+    warmup_steps: int = 0
+    """Raise the learning rate linearly over the first this many optimizer steps, from
+    ``lr / warmup_steps`` to ``lr``; 0: no warmup."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warmup, ``constant`` keeps ``lr``; ``cosine`` decays it to ``min_lr`` over
+    the remaining steps of ``steps`` (see `cadence.train.lr_schedule`)."""
+    min_lr: float | None = None
+    """Where ``cosine`` ends; None means 0. Only with ``lr_schedule = "cosine"``."""
+    clip_grad_norm: float | None = None
+    """Scale the gradients so that their global norm (over the whole model, whatever
+    the layout) is at most this, before each optimizer step; None: no clipping."""
+    peak_flops: float | None = None
+    """The peak FLOP/s of one device, for the model FLOPs utilization (MFU) of the
+    summary; None: MFU is not reported."""
+    sample_tokens: int = 0
+    """After the last step, generate this many tokens from the trained model on every
+    rank in lockstep, print rank 0's and save them to ``<run_dir>/samples.txt``; 0: none.
+    Only with ``pp = 1`` (a pipeline's stages live on different ranks)."""
+    sample_temperature: float = 0.0
+    """Sampling temperature of ``sample_tokens``; 0 is greedy (the likeliest token)."""
     seed: int = 0
     """Model initialisation and data seed (the same on every rank)."""
     finalize: Literal["auto", "manual"] = "auto"
@@ -117,7 +139,17 @@ class TrainConfig:
     pipeline, for NCCL users who cap communicators) or shared; "" means
     per_directed_edge. Only with ``pp > 1``."""
     model: GPTConfig = field(default_factory=GPTConfig)
-    """The TinyGPT shape; with ``pp > 1`` it needs at least one block per stage."""
+    """The TinyGPT shape; with ``pp > 1`` it needs at least one block per stage. With
+    ``model_factory`` only its ``vocab_size`` and ``seq_len`` are used: the data's ids
+    and window length."""
+    model_factory: str = ""
+    """``--model``: what to train instead of the embedded TinyGPT (""): ``llama`` (the
+    embedded `cadence.models.llama.Llama`), ``hf:<ClassName>`` (a ``transformers``
+    model built from a config, no weights) or ``package.module:factory`` (any callable
+    returning an ``nn.Module``). See `cadence.train.model_factory`."""
+    model_config: dict[str, Any] = field(default_factory=dict)
+    """``--model-config`` (JSON) or ``[train.model_config]``: the keyword arguments of
+    ``model_factory`` (for ``hf:``, of the model's config class). Only with it."""
     bucket_cap_mb: float | None = None
     """DataParallel's bucket size in MiB; None means 0.25. Only with DataParallel."""
     dp_replicate: int = 1
@@ -189,6 +221,7 @@ class TrainConfig:
             raise err(f"--run-dir {self.run_dir!r} {problem}")
         self._check_data()
         _check_model(self.model)
+        self._check_model_factory()
         if self.mixed_precision != "none" and not self.fsdp:
             raise err("--mixed-precision needs --fsdp (DataParallel keeps fp32 params)")
         if self.dp_replicate > 1 and not self.fsdp:
@@ -196,7 +229,34 @@ class TrainConfig:
                 "--dp-replicate (HSDP) needs --fsdp: DataParallel replicates every rank already"
             )
         self._check_checkpointing()
+        self._check_optimizer()
         self.layout()  # everything that depends on the world size
+
+    def _check_optimizer(self) -> None:
+        err = TrainConfigError
+        if self.min_lr is not None:
+            if self.lr_schedule != "cosine":
+                raise err(
+                    "--min-lr is where the cosine schedule ends: add --lr-schedule cosine "
+                    "(or drop --min-lr)"
+                )
+            if self.min_lr > self.lr:
+                raise err(
+                    f"--min-lr {self.min_lr} is above --lr {self.lr}: the cosine schedule "
+                    "decays from --lr down to --min-lr"
+                )
+        if self.warmup_steps and self.warmup_steps >= self.steps:
+            raise err(
+                f"--warmup-steps {self.warmup_steps} must be below --steps {self.steps}: the "
+                "warmup would not end before the run does"
+            )
+        if self.sample_temperature and not self.sample_tokens:
+            raise err("--sample-temperature sets how --sample-tokens N samples: add it")
+        if self.sample_tokens and self.pp > 1:
+            raise err(
+                "--sample-tokens needs --pp 1: generation runs the whole model on each rank, "
+                "and a pipeline's stages live on different ranks"
+            )
 
     def _check_data(self) -> None:
         err = TrainConfigError
@@ -226,6 +286,45 @@ class TrainConfig:
         if self.data_dtype and self.tokenizer:
             raise err(
                 "--data-dtype is for token shards and --tokenizer for text: give one of the two"
+            )
+
+    def _check_model_factory(self) -> None:
+        err = TrainConfigError
+        spec, kwargs = self.model_factory, self.model_config
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise err(f"--model-config must be a JSON object (a table), got {kwargs!r}")
+        if not spec:
+            if kwargs:
+                raise err(
+                    "--model-config holds the keyword arguments of --model's factory: add "
+                    "--model (the embedded TinyGPT takes --d-model, --layers, [train.model])"
+                )
+            return
+        if not MODEL_SPEC.fullmatch(spec):
+            raise err(
+                f"--model {spec!r} must be llama, hf:<ClassName> (a transformers model) or "
+                "package.module:factory (a callable returning an nn.Module)"
+            )
+        for key, value in kwargs.items():
+            problem = _toml_problem(value)
+            if problem:
+                raise err(f"--model-config {key!r}: {problem}")
+        base = GPTConfig()
+        shaped = [
+            option_name(f.name)
+            for f in fields(GPTConfig)
+            if f.name not in ("vocab_size", "seq_len")
+            and getattr(self.model, f.name) != getattr(base, f.name)
+        ]
+        if shaped:
+            raise err(
+                f"{', '.join(shaped)} shape the embedded TinyGPT, not --model {spec}: give "
+                "the model's own keyword arguments in --model-config (or [train.model_config])"
+            )
+        if self.compile:
+            raise err(
+                f"--compile precompiles the embedded TinyGPT's blocks only: drop it for "
+                f"--model {spec}"
             )
 
     def _check_checkpointing(self) -> None:
@@ -335,7 +434,8 @@ class TrainConfig:
                 f"--batch-size {self.batch_size} must be a multiple of dp ({dp}) x "
                 f"microbatches ({m}) = {dp * m}"
             )
-        if self.model.n_layers < self.pp * v:
+        # A --model's blocks are counted when it is built (cadence.train.model_factory).
+        if not self.model_factory and self.model.n_layers < self.pp * v:
             raise TrainConfigError(
                 f"--layers {self.model.n_layers} gives fewer blocks than the {self.pp * v} "
                 f"pipeline stages (--pp {self.pp} x chunks {v}); use --layers {self.pp * v} "
@@ -358,6 +458,12 @@ class TrainConfig:
 _FLAGLESS = frozenset({"timeout"})
 # The model's fields that have a flag; the others are ``[train.model]`` keys only.
 _MODEL_FLAGS = {"d_model": "--d-model", "n_layers": "--layers", "vocab_size": "--vocab-size"}
+# Fields whose flag is not their name with dashes.
+_RENAMED = {"model_factory": "--model"}
+# What --model may name (see TrainConfig.model_factory): an alias, hf:<ClassName>, or
+# module:attribute, each a dotted Python name.
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+MODEL_SPEC = re.compile(rf"llama|hf:[A-Za-z_]\w*|{_DOTTED}:{_DOTTED}")
 
 # [Note: the bounds that are not the annotation's]
 # An upper bound is set only where a larger value fails inside the ranks: gloo
@@ -376,6 +482,12 @@ RULES: dict[str, ValueRule] = derive_rules(
     steps=dict(low=1),
     batch_size=dict(low=1),
     lr=dict(low=0),
+    warmup_steps=dict(low=0, note="0: no warmup"),
+    min_lr=dict(low=0, note="at most --lr; unset means 0"),
+    clip_grad_norm=dict(low=0, above=True, note="the largest global gradient norm"),
+    peak_flops=dict(low=0, above=True, note="FLOP/s of one device"),
+    sample_tokens=dict(low=0, note="0: none"),
+    sample_temperature=dict(low=0, note="0 is greedy"),
     seed=dict(
         low=-MAX_SEED,
         high=MAX_SEED,
@@ -421,6 +533,8 @@ def option_name(name: str) -> str:
         return f"[train] {name}"
     if name in _MODEL_FLAGS:
         return _MODEL_FLAGS[name]
+    if name in _RENAMED:
+        return _RENAMED[name]
     if name in MODEL_RULES:
         return f"[train.model] {name}"
     return "--" + name.replace("_", "-")
@@ -429,6 +543,30 @@ def option_name(name: str) -> str:
 def _check(option: str, rule: ValueRule, value: object) -> None:
     if not rule.accepts(value):
         raise TrainConfigError(f"{option} must be {rule.expected()}, got {value!r}")
+
+
+def _toml_problem(value: object) -> str | None:
+    """Why ``value`` (a ``--model-config`` value) cannot be written to config.toml, or
+    None: TOML has no null, and its keys and strings are Unicode text."""
+    if value is None:
+        return "null has no TOML spelling: leave the key out for the default"
+    if isinstance(value, (list, tuple)):
+        return next(filter(None, map(_toml_problem, value)), None)
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"key {k!r} is not a string"
+            problem = text_problem(k) or _toml_problem(v)
+            if problem:
+                return problem
+        return None
+    if isinstance(value, float) and value != value:
+        return None  # nan is TOML's
+    if isinstance(value, str):
+        return text_problem(value)
+    if isinstance(value, (bool, int, float)):
+        return None
+    return f"{value!r} is not a JSON or TOML value"
 
 
 def _check_model(model: object) -> None:

@@ -2,8 +2,12 @@
 
 The file has a ``[train]`` table whose keys are `TrainConfig`'s field names
 (``steps``, ``batch_size``, ``checkpoint_every``, ...) and an optional
-``[train.model]`` table with `GPTConfig`'s (``d_model``, ``n_layers``, ...). A flag
-given on the command line wins over the file. Each run writes the resolved values to
+``[train.model]`` table with `GPTConfig`'s (``d_model``, ``n_layers``, ...). A run of
+another model names it with ``model_factory`` (``--model``) and gives its factory's
+keyword arguments in a ``[train.model_config]`` table (``--model-config``); its
+``[train.model]`` then holds only the data's ``vocab_size`` and ``seq_len`` (TOML cannot
+give ``model`` both a string and a table). A flag given on the command line wins over
+the file (``--model-config``'s keys over the table's). Each run writes the resolved values to
 ``<run_dir>/config.toml``, in this same format, so ``--config <run_dir>/config.toml``
 repeats a run.
 
@@ -30,6 +34,8 @@ used on 3.10 when installed).
 from __future__ import annotations
 
 import datetime
+import re
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -44,14 +50,14 @@ __all__ = ["config_to_toml", "given_model_keys", "read_config_file"]
 
 def _toml_loads(text: str, where: str) -> dict[str, Any]:
     try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ImportError:
-            raise TrainConfigError(
-                "--config needs Python 3.11 (tomllib) or the tomli package on 3.10"
-            ) from None
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # Python 3.10
+            import tomli as tomllib
+    except ImportError:
+        raise TrainConfigError(
+            "--config needs Python 3.11 (tomllib) or the tomli package on 3.10"
+        ) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -86,7 +92,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             f"{where}: expected one [train] table, found {sorted(raw) or 'none'}"
         )
     table = dict(raw["train"])
-    known = {*RULES, "model"}
+    known = {*RULES, "model", "model_config"}
     unknown = sorted(set(table) - known)
     if unknown:
         raise TrainConfigError(
@@ -96,13 +102,22 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     values = {
         key: _checked(where, "train", key, value, RULES[key])
         for key, value in table.items()
-        if key != "model"
+        if key not in ("model", "model_config")
     }
     problem = text_problem(values.get("run_dir", ""))
     if problem:
         raise TrainConfigError(f"{where}: [train] run_dir {_shown(values['run_dir'])} {problem}")
     if "model" in table:
         values["model"] = _read_model(where, table["model"])
+    if "model_config" in table:
+        kwargs = table["model_config"]
+        if not isinstance(kwargs, dict):
+            raise TrainConfigError(
+                f"{where}: [train] model_config must be a table ([train.model_config]) of "
+                f"the model factory's keyword arguments, got {_shown(kwargs)} "
+                f"({_toml_type(kwargs)})"
+            )
+        values["model_config"] = kwargs
     return values
 
 
@@ -194,6 +209,7 @@ def _shown(v: object) -> str:
     return _value(v)
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 # The short escapes TOML defines; other control characters are written \uXXXX.
 _ESCAPES = {
     '"': '\\"',
@@ -224,7 +240,15 @@ def _toml_string(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def _key(k: str) -> str:
+    return k if _BARE_KEY.fullmatch(k) else _toml_string(k)
+
+
 def _value(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -243,8 +267,16 @@ def config_to_toml(cfg: TrainConfig) -> str:
     # was then, and a replay would skip the signature of whatever is there later.
     values["trust_checkpoint"] = False
     model = values.pop("model")
+    kwargs = values.pop("model_config")
+    if cfg.model_factory:  # the data's shape only: see the module's docstring
+        model = {k: model[k] for k in ("vocab_size", "seq_len")}
+    else:
+        del values["model_factory"]
     lines = ["# The resolved options of this run: cadence train --config <this file>", "[train]"]
     lines += [f"{k} = {_value(v)}" for k, v in values.items() if v is not None]
     lines += ["", "[train.model]"]
     lines += [f"{k} = {_value(v)}" for k, v in model.items()]
+    if kwargs:
+        lines += ["", "[train.model_config]"]
+        lines += [f"{_key(k)} = {_value(v)}" for k, v in kwargs.items()]
     return "\n".join(lines) + "\n"

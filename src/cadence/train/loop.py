@@ -14,9 +14,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
+from cadence._timing import GradientTiming
 from cadence.comm import Comm, EventLog
 from cadence.errors import CadenceError
 from cadence.train.build import TrainState, loss_fn
@@ -73,7 +75,12 @@ class _LossReducer:
         return local
 
 
-def train_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, reduce_loss: Callable) -> float:
+def train_step(
+    state: TrainState,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor],
+) -> float:
     """One optimizer step on this rank's rows ``x``, ``y``; returns the logged loss.
 
     The step advances ``state.step``. With ``--finalize manual`` (pp=1) the gradient
@@ -85,31 +92,45 @@ def train_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, reduce_loss:
         state.runtime.step(x, target=y, losses=losses)
         # Only the last stage's rank has losses; the others get theirs by broadcast.
         local = state.runtime.policy.combine(losses).reshape(1) if losses else torch.zeros(1)
-        state.optimizer.step()
-        state.optimizer.zero_grad(set_to_none=True)
+        _update(state)
         loss = reduce_loss(local)
     else:
         model = state.model
         assert model is not None
+        # pp=1: build always wraps the model (DataParallel or fully_shard).
+        timing = cast(GradientTiming, model)
         out = loss_fn(model(x), y)
         out.backward()
         metric = out.detach().reshape(1)
-        if model.require_manual_backward_finalization:  # type: ignore[union-attr]
-            handle = model.finalize_backward(async_op=True)  # type: ignore[operator]
+        if timing.require_manual_backward_finalization:
+            handle = timing.finalize_backward(async_op=True)
             loss = reduce_loss(metric)
             if handle is not None:
                 handle.wait()
-            state.optimizer.step()
+            _update(state)
         else:
-            state.optimizer.step()
+            _update(state)
             loss = reduce_loss(metric)
-        state.optimizer.zero_grad(set_to_none=True)
     state.step += 1
     return float(loss)
 
 
+def _update(state: TrainState) -> None:
+    """The update of reduced gradients: clip (``--clip-grad-norm``), the optimizer step,
+    the learning-rate schedule's step, and the gradients dropped."""
+    if state.clipper is not None:
+        state.clipper()
+    state.optimizer.step()
+    if state.scheduler is not None:
+        state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+
+
 def evaluate(
-    state: TrainState, batch_size: int, batches: int, reduce_loss: Callable | None = None
+    state: TrainState,
+    batch_size: int,
+    batches: int,
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> float:
     """The mean loss of the model on ``batches`` held-out batches of ``--data``, the
     same value on every rank; no gradient, no optimizer step, no change to the data
@@ -172,7 +193,7 @@ def run_loop(
             if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
                 raise
             raise CollectiveTimeoutError(
-                _describe_timeout(state, step + 1, (state.event_log, reduce_loss.log), exc)
+                _describe_timeout(state, step + 1, _logs(state, reduce_loss), exc)
             ) from exc
         state.event_log.mark("step_end", step=step + 1)
         result.step_times.append(time.perf_counter() - t0)
@@ -188,6 +209,12 @@ def run_loop(
         if on_step is not None:
             on_step(step, loss)
     return result
+
+
+def _logs(state: TrainState, reduce_loss: _LossReducer) -> tuple[EventLog, ...]:
+    """Every log a step's collectives are recorded in."""
+    clip = (state.clipper.log,) if state.clipper is not None else ()
+    return (state.event_log, reduce_loss.log, *clip)
 
 
 def _describe_timeout(

@@ -15,6 +15,7 @@ from typing import Any
 
 from cadence.train.config import Layout, TrainConfig
 from cadence.train.config_file import config_to_toml
+from cadence.train.metrics import flops_per_token, mfu
 
 __all__ = ["Progress", "print_table", "summarize", "write_config", "write_metrics"]
 
@@ -64,6 +65,13 @@ def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[
     step_s = result["step_time_median_s"]
     mode = "pipeline" if layout.pp > 1 else layout.wrapper
     evals = result.get("evals") or []
+    tokens_per_s = tokens_per_step / step_s if step_s > 0 else float("nan")
+    # See [Note: FLOPs per token and MFU] in cadence.train.metrics.
+    m = cfg.model
+    n_params = result.get("flop_params", 0)
+    per_token = flops_per_token(n_params, m.n_layers, m.d_model, m.seq_len)
+    utilization, mfu_note = mfu(tokens_per_s, per_token, cfg.peak_flops, layout.world)
+    memory = result.get("peak_memory_bytes") or []
     return {
         "mode": mode,
         "wrapper": layout.wrapper,
@@ -72,7 +80,13 @@ def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[
         "steps": len(losses),
         "first_loss": losses[0],
         "last_loss": losses[-1],
-        "tokens_per_s": tokens_per_step / step_s if step_s > 0 else float("nan"),
+        "tokens_per_s": tokens_per_s,
+        "flop_params": n_params,
+        "flops_per_token": per_token,
+        "mfu": utilization,
+        "mfu_note": mfu_note,
+        "peak_memory_mib_per_rank": [round(b / 2**20, 1) for b in memory],
+        "peak_memory_kind": result.get("peak_memory_kind", ""),
         "step_time_median_ms": step_s * 1e3,
         "comm_exposed_ms_total": result["comm_exposed_s"] * 1e3,
         "comm_hidden_ms_total": result["comm_hidden_s"] * 1e3,
@@ -85,6 +99,19 @@ def _ms(value: float) -> str:
     # NaN: nothing to report (a pipeline without data-parallel stages has no
     # reductions; its P2P time is not split into exposed and hidden).
     return "n/a" if value != value else f"{value:.1f} ms"
+
+
+def _mfu(summary: dict[str, Any]) -> str:
+    if summary["mfu"] is None:
+        return str(summary["mfu_note"])
+    return f"{summary['mfu']:.2%} ({summary['mfu_note']})"
+
+
+def _memory(summary: dict[str, Any]) -> str:
+    per_rank = summary["peak_memory_mib_per_rank"]
+    if not per_rank:
+        return "n/a"
+    return f"max {max(per_rank):.0f} MiB over {len(per_rank)} ranks ({summary['peak_memory_kind']})"
 
 
 def print_table(
@@ -105,6 +132,12 @@ def print_table(
             else []
         ),
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
+        (
+            "FLOPs/token",
+            f"{summary['flops_per_token']:.3g} (6N + 12LdT, N={summary['flop_params']:,})",
+        ),
+        ("MFU", _mfu(summary)),
+        ("peak memory", _memory(summary)),
         ("median step", f"{summary['step_time_median_ms']:.1f} ms"),
         ("comm exposed (total)", _ms(summary["comm_exposed_ms_total"])),
         ("comm hidden (total)", _ms(summary["comm_hidden_ms_total"])),

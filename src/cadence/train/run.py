@@ -40,6 +40,7 @@ from cadence.train.checkpoint import (
 from cadence.train.config import TrainConfig
 from cadence.train.history import RunHistory
 from cadence.train.loop import run_loop
+from cadence.train.metrics import flop_params, peak_memory_bytes
 from cadence.train.plots import (
     TIMELINE_MAX_EVENTS,
     TIMELINE_STEPS,
@@ -48,6 +49,7 @@ from cadence.train.plots import (
     write_plots,
 )
 from cadence.train.report import Progress, print_table, summarize, write_config, write_metrics
+from cadence.train.sample import sample_text
 
 __all__ = ["run_rank", "train"]
 
@@ -60,7 +62,7 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     pg = init(topology_for(layout), timeout=cfg.collective_timeout)
     state = build_state(cfg, pg)
     if cfg.data and pg.rank == 0:
-        corpus = state.data.corpus  # type: ignore[union-attr]
+        corpus = state.data.corpus  # type: ignore[union-attr]  # cfg.data: state.data is a TokenWindows
         print(
             f"cadence train: data: {corpus.what}: {len(corpus.train):,} training tokens, "
             f"{len(corpus.val):,} held out",
@@ -113,9 +115,15 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         bar.close()
     if board is not None:
         board.close()
+    # Collective on every rank: see [Note: samples are generated in lockstep].
+    samples = sample_text(cfg, state) if cfg.sample_tokens else None
+    n_params = torch.tensor([flop_params(state.modules)], dtype=torch.int64)
+    if layout.pp > 1:  # each pipeline position counts its own stages
+        Comm(pg.pp, name="pp-params").all_reduce(n_params, op="sum")
+    memory, memory_kind = peak_memory_bytes(pg.device)
     log = state.event_log
     events, dropped = capped_timeline(log)
-    sent = _to_rank0(reports, {"events": events, "dropped": dropped})
+    sent = _to_rank0(reports, {"events": events, "dropped": dropped, "memory": memory})
     reduced = layout.wrapper != "none"
     out: dict[str, Any] = {
         "losses": history.losses,
@@ -129,6 +137,10 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         if reduced
         else float("nan"),
         "collectives": log.total_counts(),
+        "flop_params": int(n_params.item()),
+        "peak_memory_bytes": None if sent is None else [r["memory"] for r in sent],
+        "peak_memory_kind": memory_kind,
+        "samples": samples,
         "timeline": None if sent is None else [_events(r["events"]) for r in sent],
         "timeline_bounds": None
         if sent is None
@@ -248,6 +260,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     summary = summarize(cfg, layout, result)
     write_metrics(cfg, summary, result, run_dir)
     write_config(cfg, run_dir)
+    if result.get("samples") is not None:
+        (run_dir / "samples.txt").write_text(result["samples"], encoding="utf-8")
+        print(result["samples"], end="")
     plots = write_plots(
         run_dir, result["history"], result["timeline"], _timeline_note(result["timeline_bounds"])
     )

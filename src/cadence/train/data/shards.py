@@ -21,14 +21,19 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from cadence.train.config import TrainConfigError
 
 __all__ = ["DTYPES", "LLMC_HEADER_BYTES", "LLMC_MAGICS", "Shard", "open_shard", "shard_max"]
 
-DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype[np.unsignedinteger[Any]]] = {
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+}
 LLMC_HEADER_BYTES = 256 * 4
 # magic -> (version, id type), as llm.c's dev/data/data_common.py writes them.
 LLMC_MAGICS: dict[int, tuple[int, str]] = {20240520: (1, "uint16"), 20240801: (7, "uint32")}
@@ -39,13 +44,13 @@ class Shard:
     """One shard: its ids as a read-only memory map, and how the file was read."""
 
     path: Path
-    tokens: np.ndarray
+    tokens: npt.NDArray[np.unsignedinteger[Any]]
     dtype: str
     llmc: bool
     """The file has llm.c's header."""
 
 
-def _header(path: Path) -> np.ndarray | None:
+def _header(path: Path) -> npt.NDArray[np.int32] | None:
     """llm.c's header of ``path``, or None when the file does not start with a magic."""
     with open(path, "rb") as f:
         head = f.read(LLMC_HEADER_BYTES)
@@ -98,7 +103,9 @@ def open_shard(path: Path, dtype: str = "") -> Shard:
     return Shard(path, _memmap(path, kind, 0, size // width), kind, False)
 
 
-def _memmap(path: Path, dtype: str, offset: int, count: int) -> np.ndarray:
+def _memmap(
+    path: Path, dtype: str, offset: int, count: int
+) -> npt.NDArray[np.unsignedinteger[Any]]:
     if count == 0:  # numpy cannot map zero bytes
         return np.empty(0, dtype=DTYPES[dtype])
     return np.memmap(path, dtype=DTYPES[dtype], mode="r", offset=offset, shape=(count,))

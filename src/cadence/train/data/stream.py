@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["TokenStream"]
 
@@ -20,7 +22,12 @@ __all__ = ["TokenStream"]
 class TokenStream:
     """Tokens ``[start, stop)`` of the concatenation of ``pieces`` (1-D integer arrays)."""
 
-    def __init__(self, pieces: Sequence[np.ndarray], start: int = 0, stop: int | None = None):
+    def __init__(
+        self,
+        pieces: Sequence[npt.NDArray[np.unsignedinteger[Any]]],
+        start: int = 0,
+        stop: int | None = None,
+    ):
         self.pieces = tuple(pieces)
         self.offsets = [0]
         for p in self.pieces:
@@ -40,7 +47,7 @@ class TokenStream:
             raise ValueError(f"slice [{start}, {stop}) lies outside 0..{len(self)}")
         return TokenStream(self.pieces, self.start + start, self.start + stop)
 
-    def read(self, start: int, length: int) -> np.ndarray:
+    def read(self, start: int, length: int) -> npt.NDArray[np.int64]:
         """Tokens ``[start, start + length)`` of this stream as int64."""
         if start < 0 or length < 0 or start + length > len(self):
             raise IndexError(f"tokens [{start}, {start + length}) lie outside 0..{len(self)}")

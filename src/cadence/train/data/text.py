@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from cadence.train.config import TrainConfigError
 
@@ -62,9 +63,9 @@ def text_files(path: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(path).parts)
 
 
-def byte_pieces(files: list[Path]) -> list[np.ndarray]:
+def byte_pieces(files: list[Path]) -> list[npt.NDArray[np.uint8]]:
     """Each non-empty file's bytes as a read-only uint8 memory map."""
-    pieces = []
+    pieces: list[npt.NDArray[np.uint8]] = []
     for f in files:
         try:
             if f.stat().st_size:
@@ -97,9 +98,9 @@ def load_tokenizer(path: str) -> Any:
         ) from exc
 
 
-def tokenized_pieces(files: list[Path], tokenizer: Any) -> list[np.ndarray]:
+def tokenized_pieces(files: list[Path], tokenizer: Any) -> list[npt.NDArray[np.uint32]]:
     """Each non-empty file's text encoded with ``tokenizer``, as uint32 ids."""
-    pieces = []
+    pieces: list[npt.NDArray[np.uint32]] = []
     for f in files:
         try:
             text = f.read_bytes().decode("utf-8", errors="replace")
