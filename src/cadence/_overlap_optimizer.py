@@ -117,7 +117,7 @@ class _Used:
             return True
         if self.local is None:
             return False
-        local = g._local_tensor  # type: ignore[attr-defined]
+        local = g._local_tensor  # type: ignore[attr-defined]  # a DTensor grad; torch types .grad as Tensor
         return local.shape != self.local.shape or not torch.equal(_bits(local), self.local)
 
 
@@ -179,7 +179,8 @@ class PartialStepper:
             )
         raw = type(optimizer).step
         if getattr(raw, "hooked", False):
-            raw = raw.__wrapped__  # torch's hook-running wrapper: the hooks are run here
+            # torch's hook-running wrapper (functools.wraps): the hooks are run here.
+            raw = raw.__wrapped__  # type: ignore[attr-defined]  # torch types step as a plain method
         self.optimizer = optimizer
         self.who = who
         self.part = part
@@ -363,18 +364,18 @@ class PartialStepper:
 
         # LR schedulers wrap opt.step once and check this mark; the step sets
         # _opt_called itself, so one built before or after works unchanged.
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # a mark on a function
         self._had_step_attr = "step" in vars(opt)
         self._previous = vars(opt).get("step")
         self._installed = types.MethodType(step, opt)
-        opt.step = self._installed  # type: ignore[method-assign]
+        opt.step = self._installed  # type: ignore[method-assign]  # an instance attribute, on purpose
 
     def remove(self) -> None:
         """Give ``optimizer.step`` back (call between steps)."""
         opt = self.optimizer
         if vars(opt).get("step") is self._installed:
             if self._had_step_attr:
-                opt.step = self._previous  # type: ignore[method-assign]
+                opt.step = self._previous  # type: ignore[method-assign, assignment]  # the instance attribute we replaced
             else:
                 del opt.step
         self._installed = None

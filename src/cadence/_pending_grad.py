@@ -67,12 +67,12 @@ class PendingGrad(torch.Tensor):
 
     # torch's documented idiom for a subclass without __torch_function__; torch
     # annotates this C function and Tensor.__torch_function__ differently.
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # torch's idiom (see above)
 
     # The signature torch documents for subclasses (args and kwargs defaulted);
     # torch annotates Tensor's own, disabled one without the defaults.
     @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]  # torch's documented signature (see above)
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         pending = next(
@@ -99,7 +99,7 @@ class PendingGrad(torch.Tensor):
             "handle of finalize_backward(async_op=True)) first."
         )
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor.__repr__ also takes tensor_contents
         return f"PendingGrad({self._cadence_name!r}: call finalize_backward() to read it)"
 
 

@@ -18,6 +18,7 @@ and it is far less sensitive to other processes than the wall time).
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 from typing import Any
 
@@ -95,14 +96,19 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int, cap_mb: 
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
         x = _input(spec, rank, device)
 
-        def step(k: str, models: dict = models, opts: dict = opts, x: Any = x) -> None:
+        def step(
+            k: str,
+            models: dict[str, Any] = models,
+            opts: dict[str, torch.optim.SGD] = opts,
+            x: Any = x,
+        ) -> None:
             opts[k].zero_grad(set_to_none=True)
             models[k](x).float().pow(2).mean().backward()
             opts[k].step()
 
         cpu: dict[str, list[float]] = {}
         times = interleave(
-            {k: (lambda k=k: step(k)) for k in models}, warmup=warmup, reps=reps, cpu=cpu
+            {k: functools.partial(step, k) for k in models}, warmup=warmup, reps=reps, cpu=cpu
         )
         out[name] = {"times": times, "cpu": cpu, "buckets": models["cadence"].num_buckets}
         del models, opts

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import gc
-from typing import Any
+from typing import Any, cast
 
 from cadence.bench._loop import (
     device_and_backend,
@@ -73,11 +73,12 @@ def _shard(impl: str, net: Any, prefetch: bool, reshard: bool, device: str) -> A
 
     blocks = list(net)[:-1]
     if impl.startswith("cadence"):
-        from cadence.fsdp import fully_shard
+        from cadence.fsdp import FullyShardedModule, fully_shard
 
         for b in blocks:
             fully_shard(b, reshard_after_forward=reshard)
-        root = fully_shard(net)
+        # fully_shard swaps the root's class to a FullyShardedModule subclass.
+        root = cast(FullyShardedModule, fully_shard(net))
         # cadence_sync: each reduce-scatter waited at once, FSDP2-on-CPU's memory
         # profile (see [Note: bounded in-flight reductions] in cadence.fsdp._root_runtime).
         root.set_max_inflight_reductions(0 if impl == "cadence_sync" else 1)

@@ -41,7 +41,7 @@ def _wrapper_chain(depth: int = 8) -> Any:
         """Base."""
         return x + 1
 
-    fn = base
+    fn: Callable[[int], int] = base
     for i in range(depth):
 
         def deco(f: Callable[[int], int], i: int = i) -> Callable[[int], int]:

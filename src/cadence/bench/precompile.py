@@ -41,6 +41,7 @@ import os
 import resource
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from cadence.bench._loop import device_and_backend, launch_ranks, loadavg, rank_device
@@ -96,7 +97,7 @@ def rank_body(
     def step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
-    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     dist.barrier()
     start, cpu = time.perf_counter(), _cpu_seconds()
     if mode.startswith("jit"):

@@ -34,8 +34,9 @@ as a multiple of ``plain`` (``limit_*``: 1.00 would mean communication fully hid
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from cadence.bench._loop import (
     device_and_backend,
@@ -117,7 +118,7 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> dict[str, Call
         models[k](x).float().pow(2).mean().backward()
         opts[k].step()
 
-    return {k: (lambda k=k: step(k)) for k in VARIANTS}
+    return {k: functools.partial(step, k) for k in VARIANTS}
 
 
 def _sharded(impl: str, base: Any, device: str) -> Any:
@@ -161,7 +162,7 @@ def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> dict[str, Calla
         models[k](x).float().pow(2).mean().backward()
         opts[k].step()
 
-    return {k: (lambda k=k: step(k)) for k in VARIANTS}
+    return {k: functools.partial(step, k) for k in VARIANTS}
 
 
 def _recommender_steps(
@@ -182,7 +183,10 @@ def _recommender_steps(
     ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["bag"]), generator=g).to(device)
     # Every variant's sparse exchange runs on its own group, so it never queues behind
     # the dense buckets still in flight on the wrappers' group.
-    sparse_group = dist.new_group(backend="gloo" if device == "cpu" else None)
+    # Every rank is a member (no ranks=), so new_group returns a ProcessGroup.
+    sparse_group = cast(
+        dist.ProcessGroup, dist.new_group(backend="gloo" if device == "cpu" else None)
+    )
     sparse_comm = Comm(sparse_group, name="sparse")
     bags = {k: copy.deepcopy(bag) for k in VARIANTS}
     towers: dict[str, Any] = {"plain": copy.deepcopy(tower)}
@@ -197,6 +201,7 @@ def _recommender_steps(
     def sparse_half(k: str) -> None:
         grad = bags[k].weight.grad
         if k != "plain":
+            assert grad is not None  # the backward just before wrote it
             sparse_comm.all_reduce(grad, op="avg")
         sparse_opts[k].step()
 
@@ -211,7 +216,7 @@ def _recommender_steps(
             towers[k].finalize_backward()
         dense_opts[k].step()
 
-    return {k: (lambda k=k: step(k)) for k in VARIANTS}
+    return {k: functools.partial(step, k) for k in VARIANTS}
 
 
 def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[str, Any]:

@@ -110,7 +110,7 @@ class Pickler(pickle.Pickler):
         path = self._path_to_last(root)
         deep = deepest_path(self._state, root)
         deep_enough = deep is not None and len(deep) > sys.getrecursionlimit() // 4
-        if deep_enough and (path is None or len(deep) > len(path)):  # type: ignore[arg-type]
+        if deep_enough and (path is None or len(deep) > len(path)):  # type: ignore[arg-type]  # deep_enough implies deep is not None
             return deep
         return path
 

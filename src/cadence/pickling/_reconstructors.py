@@ -143,7 +143,7 @@ def _function_setstate(func: types.FunctionType, state: dict[str, Any]) -> None:
         func.__dict__.update(d)
     tp = state.get("@type_params", _UNSET)
     if tp is not _UNSET:
-        func.__type_params__ = tp  # type: ignore[attr-defined]
+        func.__type_params__ = tp  # type: ignore[attr-defined]  # typeshed has it from 3.12; mypy checks as 3.11
     if "@defaults" in state:
         func.__defaults__ = state["@defaults"]
     if "@kwdefaults" in state:
@@ -156,7 +156,7 @@ def _function_setstate(func: types.FunctionType, state: dict[str, Any]) -> None:
         func.__qualname__ = state["@qualname"]
     # None is what CPython gives a function defined where __name__ was unset;
     # typeshed types the attribute str.
-    func.__module__ = state.get("@module")  # type: ignore[assignment]
+    func.__module__ = state.get("@module")  # type: ignore[assignment]  # None is valid (see above)
 
 
 # ---------------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def _make_skeleton_enum(
         classdict[member_name] = value
     # EnumMeta needs the namespace its __prepare__ made (an _EnumDict, a dict
     # subclass); typeshed types __prepare__'s result as a MutableMapping.
-    enum_class = metacls.__new__(metacls, name, bases, classdict)  # type: ignore[call-overload]
+    enum_class = metacls.__new__(metacls, name, bases, classdict)  # type: ignore[call-overload]  # EnumMeta's own namespace (see above)
     enum_class.__module__ = module
     enum_class.__qualname__ = qualname
     tracked: type = _tracker.track(tracker_id, enum_class)
@@ -222,7 +222,7 @@ def _class_setstate(cls: type, state: tuple[dict[str, Any], list[type]]) -> type
     for attr, value in attrs.items():
         setattr(cls, attr, value)
     for subclass in abc_registry:
-        cls.register(subclass)  # type: ignore[attr-defined]
+        cls.register(subclass)  # type: ignore[attr-defined]  # cls is an ABCMeta class, typed as type
     _tracker.complete(cls)
     return cls
 
@@ -244,7 +244,7 @@ def _make_typevar(
     if existing is not None:
         return existing
     # The name is data from the payload; mypy only models TypeVars named by a literal.
-    tv = typing.TypeVar(  # type: ignore[misc]
+    tv = typing.TypeVar(  # type: ignore[misc]  # the name is data (see above)
         name, *constraints, bound=bound, covariant=covariant, contravariant=contravariant
     )
     return _tracker.track(tracker_id, tv)
@@ -268,6 +268,6 @@ def _make_newtype(name: str, supertype: Any, module: str, tracker_id: str) -> An
     if existing is not None:
         return existing
     # The name is data from the payload; mypy only models NewTypes named by a literal.
-    nt = typing.NewType(name, supertype)  # type: ignore[misc]
+    nt = typing.NewType(name, supertype)  # type: ignore[misc]  # the name is data (see above)
     nt.__module__ = module
     return _tracker.track(tracker_id, nt)

@@ -69,7 +69,7 @@ def _make_memoryview(buffer: Any, fmt: str, shape: tuple[int, ...], readonly: bo
     if fmt != "B" or shape != (view.nbytes,):
         # typeshed accepts only literal formats; this one is data (_castable checked
         # it when the payload was made).
-        view = view.cast(fmt, shape)  # type: ignore[call-overload]
+        view = view.cast(fmt, shape)  # type: ignore[call-overload]  # the format is data (see above)
     return view.toreadonly() if readonly and not view.readonly else view
 
 
@@ -90,7 +90,7 @@ def _make_cached_property(func: Any, attrname: str | None, doc: Any) -> Any:
     prop = functools.cached_property(func)
     if attrname is not None:
         # cached_property reads only the name; the owner class does not exist yet.
-        prop.__set_name__(None, attrname)  # type: ignore[arg-type]
+        prop.__set_name__(None, attrname)  # type: ignore[arg-type]  # no owner class yet (see above)
     prop.__doc__ = doc
     return prop
 

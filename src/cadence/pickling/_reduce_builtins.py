@@ -71,7 +71,7 @@ def _odict_items_reduce(state: DumpState, view: Any) -> Any:
 def _castable(fmt: str) -> bool:
     try:
         # typeshed accepts only literal formats; this one is data, tried here.
-        memoryview(bytes(struct.calcsize(fmt))).cast(fmt)  # type: ignore[call-overload]
+        memoryview(bytes(struct.calcsize(fmt))).cast(fmt)  # type: ignore[call-overload]  # the format is data (see above)
     except (ValueError, TypeError, struct.error):
         return False
     return True

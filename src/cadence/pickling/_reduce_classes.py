@@ -59,7 +59,7 @@ def class_getstate(state: DumpState, cls: type) -> tuple[dict[str, Any], list[ty
     if "_abc_impl" in clsdict:
         # The registry (``register()``-ed virtual subclasses) is part of the class; the
         # caches of past isinstance checks are not (and would drag unrelated classes).
-        registry = [r() for r in abc._get_dump(cls)[0]]  # type: ignore[attr-defined]
+        registry = [r() for r in abc._get_dump(cls)[0]]  # type: ignore[attr-defined]  # abc's private helper is not in typeshed
         registry = sorted((c for c in registry if c is not None), key=_class_sort_key)
     skip = _CLASS_DICT_SKIP.union(slots) if slots else _CLASS_DICT_SKIP
     if isinstance(cls, enum.EnumMeta):

@@ -104,8 +104,8 @@ def _is_plain_type(t: type) -> bool:
     # Read from a class these are the plain functions, which mypy types as bound
     # methods of different signatures; the identity test is the point.
     return (
-        t.__reduce_ex__ is object.__reduce_ex__  # type: ignore[comparison-overlap]
-        and t.__reduce__ is object.__reduce__  # type: ignore[comparison-overlap]
+        t.__reduce_ex__ is object.__reduce_ex__  # type: ignore[comparison-overlap]  # identity of the plain functions
+        and t.__reduce__ is object.__reduce__  # type: ignore[comparison-overlap]  # identity of the plain functions
         and getattr(t, "__getstate__", None) is getattr(object, "__getstate__", None)
         and not any("__slots__" in vars(k) for k in t.__mro__)
         and t not in copyreg.dispatch_table

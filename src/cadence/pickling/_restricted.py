@@ -354,14 +354,14 @@ class RestrictedUnpickler(pickle._Unpickler):
         # The standard unpicklers answer an extension code from copyreg's process-wide
         # cache first, which any earlier load fills: a global an unrestricted load
         # resolved would come back here unchecked. Resolve the registered name each time.
-        key = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]
+        key = copyreg._inverted_registry.get(code)  # type: ignore[attr-defined]  # copyreg's private cache is not in typeshed
         if not key:
             raise MalformedPayloadError(
                 f"unregistered extension code {code}: the payload was made in a process "
                 "that registered it with copyreg.add_extension; register it here too"
             )
         # pickle._Unpickler.load binds self.append (the stack's) before any opcode runs.
-        self.append(self.find_class(*key))  # type: ignore[attr-defined]
+        self.append(self.find_class(*key))  # type: ignore[attr-defined]  # bound by pickle._Unpickler.load
 
 
 def loads_restricted(data: bytes, allow: Allowlist, *, buffers: Iterable[Any] | None = None) -> Any:

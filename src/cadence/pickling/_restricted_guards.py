@@ -212,7 +212,7 @@ def _load_bytearray8(u: Any) -> None:
     u.append(out)
 
 
-class _Dispatch(dict):  # type: ignore[type-arg]
+class _Dispatch(dict):  # type: ignore[type-arg]  # opcode -> pickle's private handlers
     def __missing__(self, key: int) -> NoReturn:
         raise MalformedPayloadError(
             f"invalid load key {bytes([key])!r}: not a pickle opcode, so the bytes are "

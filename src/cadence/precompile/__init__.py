@@ -73,4 +73,4 @@ class _CallableModule(types.ModuleType):
 
 _module = sys.modules[__name__]
 _module.__class__ = _CallableModule
-_module.__signature__ = inspect.signature(precompile)  # type: ignore[attr-defined]
+_module.__signature__ = inspect.signature(precompile)  # type: ignore[attr-defined]  # ModuleType has no __signature__; inspect reads it

@@ -422,7 +422,7 @@ def capture(fn: Callable[..., Any]) -> Capture:
     """Walk ``fn`` (a function, bound method or ``functools.partial``)."""
     walker = _Walker()
     if isinstance(fn, types.MethodType):
-        walker.function(fn.__func__, top=True)  # type: ignore[arg-type]
+        walker.function(fn.__func__, top=True)  # type: ignore[arg-type]  # typeshed: __func__ is a Callable; here a function
     elif isinstance(fn, types.FunctionType):
         walker.function(fn, top=True)
     else:

@@ -218,7 +218,7 @@ def _resolve_main_class(qualname: str, digest: str, payload: bytes) -> type:
         target = None
     if isinstance(target, type) and class_digest(target) == digest:
         return target
-    return pickling.loads(payload)  # type: ignore[no-any-return]
+    return pickling.loads(payload)  # type: ignore[no-any-return]  # loads is typed Any; the payload is a pickled class
 
 
 class _ArtifactPickler(pickling.Pickler):
@@ -243,7 +243,7 @@ class _GuardsPickler(_ArtifactPickler):
         own_id = getattr(torch_pickler, "persistent_id", None)
         if own_id is not None:
             # An instance attribute on purpose (see above); mypy sees a method there.
-            self.persistent_id = own_id  # type: ignore[method-assign]
+            self.persistent_id = own_id  # type: ignore[method-assign]  # an instance attribute on purpose
         self._torch = torch_pickler
         super().__init__(file)
 
@@ -346,7 +346,7 @@ def _guard_pickling() -> Iterator[None]:
     with _SWAP_LOCK:
         saved = guards.pickle_guards_state, guards.raise_local_type_error
         guards.pickle_guards_state = _pickle_guards_state
-        guards.raise_local_type_error = _allow_local_types  # type: ignore[assignment]
+        guards.raise_local_type_error = _allow_local_types  # type: ignore[assignment]  # torch's is NoReturn; ours returns
         try:
             yield
         finally:
@@ -453,7 +453,7 @@ def deserialize(data: bytes) -> Any:
     aot = torch.compiler.load_compiled_function(io.BytesIO(data))
     # `call` runs after cadence's own check; never twice. torch annotates the loaded
     # function as a plain Callable, though it is an AOTCompiledFunction.
-    aot.disable_guard_check()  # type: ignore[attr-defined]
+    aot.disable_guard_check()  # type: ignore[attr-defined]  # torch types it Callable (see above)
     return aot
 
 
