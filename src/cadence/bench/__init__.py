@@ -21,8 +21,10 @@
 
 Each comparison runs in one process tree, interleaves the implementations, and
 reports median ratios with their spread, an A/A noise figure and the machine load.
-`run_bench` writes the JSON record and its PNG chart under ``bench/results/``;
-`write_docs` regenerates ``docs/benchmarks.md`` from the newest records.
+`run_bench` writes the JSON record and its PNG chart into the folder it is given
+(the CLI's ``--results``, ``bench/results/`` by default: scratch, ignored by git);
+`write_docs` regenerates a page (``docs/benchmarks.md``) from the newest records and
+keeps the records it cites beside it, in ``records/``.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ def format_rows(record: dict[str, Any]) -> str:
 def run_bench(
     kind: str,
     *,
+    out_dir: Path,
     quick: bool = False,
-    out_dir: Path = Path("bench/results"),
     tiny: bool = False,
     **options: Any,
 ) -> tuple[dict[str, Any], Path, Path | None]:

@@ -38,7 +38,7 @@ TARGET = 1.0
 SIZES = [(8, 32), (16, 64), (32, 128), (64, 256), (128, 512)]
 QUICK_SIZES = SIZES[:4]
 TINY_SIZES = [(2, 8), (4, 16)]
-CAP_S = 60.0  # a size is skipped once the previous one projects beyond this
+CAP_S = 150.0  # a size is skipped once the previous one projects beyond this
 GROWTH = 4.5  # the next size has 4x the actions; allow a little over for projecting
 
 
