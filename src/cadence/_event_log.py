@@ -54,6 +54,11 @@ class CommEvent:
         # An event sent to another process (a test's result, a report) leaves its log.
         return {k: v for k, v in self.__dict__.items() if k != "log"} | {"log": None}
 
+    def wait_began(self, start: float) -> None:
+        """``wait()`` started at ``start``: set before blocking, so that a wait that never
+        returns (a hung peer) is still visible as started and unfinished."""
+        self.wait_start_t = start
+
     def waited_between(self, start: float, end: float) -> None:
         """Close the record: ``wait()`` ran from ``start`` to ``end``."""
         self.wait_start_t, self.wait_end_t = start, end

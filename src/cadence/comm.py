@@ -120,6 +120,8 @@ class CommWork:
             if self._done:
                 return
             start = time.perf_counter()
+            if self._event is not None:
+                self._event.wait_began(start)
             if self._work is not None:
                 # On NCCL this makes the current stream wait; it does not block the host.
                 self._work.wait()
