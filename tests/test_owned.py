@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cadence._owned import UntrustedPathError, check_private_dir, read_or_create_key
+from cadence._owned import check_private_dir, read_or_create_key
+from cadence.errors import UntrustedPathError
 
 pytestmark = [
     pytest.mark.torch_free,

@@ -55,7 +55,11 @@ from typing import Any
 import torch
 from torch.optim import optimizer as _torch_optimizer
 
-from cadence.errors import CadenceRuntimeError, CadenceTypeError, CadenceValueError
+from cadence.errors import (
+    CadenceTypeError,
+    CadenceValueError,
+    OverlapStepError,
+)
 
 __all__ = ["OverlapStepError", "PartialStepper"]
 
@@ -65,10 +69,6 @@ _PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adam,
     torch.optim.AdamW,
 )
-
-
-class OverlapStepError(CadenceRuntimeError):
-    """Something done between backward and ``opt.step()`` that an overlapped step cannot honour."""
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -28,15 +28,11 @@ import stat
 import tempfile
 from pathlib import Path
 
-from cadence.errors import CadenceError
+from cadence.errors import UntrustedPathError
 
 __all__ = ["UntrustedPathError", "check_private_dir", "make_private_dir", "read_or_create_key"]
 
 KEY_BYTES = 32
-
-
-class UntrustedPathError(CadenceError, PermissionError):
-    """A key or a folder that someone other than the current user could have written."""
 
 
 def _uid() -> int | None:

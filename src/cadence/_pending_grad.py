@@ -35,13 +35,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from cadence.errors import CadenceRuntimeError
+from cadence.errors import UnreducedGradientError
 
 __all__ = ["GradGuard", "PendingGrad", "UnreducedGradientError"]
-
-
-class UnreducedGradientError(CadenceRuntimeError):
-    """``.grad`` was used while its reduction was still pending (see `PendingGrad`)."""
 
 
 class PendingGrad(torch.Tensor):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from cadence.bench._run import KINDS as BENCH_KINDS  # torch-free, like this parser
-from cadence.errors import CadenceError, CadenceValueError
+from cadence.errors import CadenceError, CadenceValueError, UsageError
 from cadence.launch import LaunchError
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import SCHEDULE_NAMES
@@ -52,14 +52,6 @@ __all__ = [
     "build_parser",
     "main",
 ]
-
-
-class UsageError(CadenceValueError):
-    """A command line the ``cadence`` parser cannot parse (argparse's error)."""
-
-    def __init__(self, message: str, prog: str) -> None:
-        super().__init__(message)
-        self.prog = prog
 
 
 class _OneLineParser(argparse.ArgumentParser):

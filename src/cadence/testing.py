@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from cadence.errors import CadenceError, CadenceValueError
+from cadence.errors import CadenceValueError, SubtestFailure
 from cadence.launch import launch
 
 __all__ = [
@@ -201,7 +201,3 @@ def run_subtests(
         except Exception as e:
             raise SubtestFailure(f"sub-case {label} failed: {type(e).__name__}: {e}") from e
     return results
-
-
-class SubtestFailure(CadenceError, AssertionError):
-    """One sub-case of `run_subtests` failed; the message names the case."""

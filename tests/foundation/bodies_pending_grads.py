@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cadence
-from cadence._pending_grad import UnreducedGradientError
+from cadence.errors import UnreducedGradientError
 from cadence.testing import max_abs_diff
 from tests._scenarios import Scenario, assert_raises, failure
 

@@ -28,8 +28,7 @@ from pathlib import Path
 import pytest
 
 import cadence
-from cadence._owned import UntrustedPathError
-from cadence.errors import CadenceError
+from cadence.errors import CadenceError, UntrustedPathError
 from cadence.precompile import CacheRefusedWarning, _artifact, _job, _torch_aot, stats
 from tests.precompile import _bodies
 from tests.precompile._bodies import BACKEND, Boom, inputs, step

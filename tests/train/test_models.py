@@ -22,16 +22,11 @@ import pytest
 import torch
 from torch import nn
 
+from cadence.models._errors import BlockProtocolError
 from cadence.models.config import GPTConfig
 from cadence.models.gpt import TinyGPT
 from cadence.models.llama import Llama, LlamaConfig
-from cadence.models.protocol import (
-    BlockProtocolError,
-    can_split,
-    model_blocks,
-    split_by_parts,
-    split_model,
-)
+from cadence.models.protocol import can_split, model_blocks, split_by_parts, split_model
 from tests.train.user_models import Plain
 
 SMALL = dict(vocab_size=40, seq_len=16, dim=32, n_layers=4, n_heads=4, n_kv_heads=2)

@@ -19,16 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cadence.bench._errors import MemoryProbeError
 from cadence.bench._record import paired_ratios, ratio_summary
-from cadence.errors import CadenceRuntimeError
 
 __all__ = ["MEMORY_ENV", "MemoryProbeError", "floor_page", "memory_row", "peak_growth"]
 
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
-class MemoryProbeError(CadenceRuntimeError):
-    """The kernel does not let this process reset its RSS high-water mark."""
 
 
 def _status_kib(field: str) -> int:

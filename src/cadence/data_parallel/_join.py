@@ -53,7 +53,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 
 from cadence.comm import Comm, CommWork
 from cadence.data_parallel._buckets import Bucket, views_into
-from cadence.data_parallel._reducer import DataParallelError, FutureWork, Reducer
+from cadence.data_parallel._errors import DataParallelError
+from cadence.data_parallel._reducer import FutureWork, Reducer
 from cadence.data_parallel.comm_hooks import GradBucket
 from cadence.errors import CadenceValueError
 

@@ -37,7 +37,7 @@ import torch
 
 from cadence import _autograd
 from cadence._overlap_optimizer import PartialStepper
-from cadence.data_parallel._reducer import DataParallelError
+from cadence.data_parallel._errors import DataParallelError
 
 if TYPE_CHECKING:
     from cadence.comm import EventLog

@@ -33,18 +33,10 @@ from cadence import _autograd
 from cadence._pending_grad import GradGuard
 from cadence.comm import Comm, CommWork, ReductionHandle
 from cadence.data_parallel._buckets import Bucket
+from cadence.data_parallel._errors import DataParallelError
 from cadence.data_parallel.comm_hooks import GradBucket
-from cadence.errors import CadenceRuntimeError
 
 __all__ = ["DataParallelError", "ForwardToken", "FutureWork", "Reducer", "WindowState"]
-
-
-class DataParallelError(CadenceRuntimeError):
-    """A call that DataParallel's current state forbids; the message names the fix.
-
-    A `cadence.errors.CadenceError` and a ``RuntimeError``. Raised locally, before
-    any collective, so no rank is left waiting in one.
-    """
 
 
 class WindowState(enum.Enum):

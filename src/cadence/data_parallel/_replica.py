@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from cadence.data_parallel._reducer import DataParallelError
+from cadence.data_parallel._errors import DataParallelError
 from cadence.errors import CadenceValueError
 from cadence.fsdp._materialize import conversion_target
 

@@ -24,9 +24,10 @@ from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, Comm, EventLog, ReductionHandle
 from cadence.data_parallel._buckets import build_buckets
 from cadence.data_parallel._ddp_args import UNSET, DDPPlan, resolve_ddp_args
+from cadence.data_parallel._errors import DataParallelError
 from cadence.data_parallel._join import JoinableDataParallel, join_forward, refuse_inside_join
 from cadence.data_parallel._overlap import OverlapOptimizer, OverlappedOptimizers
-from cadence.data_parallel._reducer import DataParallelError, ForwardToken, Reducer, WindowState
+from cadence.data_parallel._reducer import ForwardToken, Reducer, WindowState
 from cadence.data_parallel._replica import Replica, wrapped_parameters
 from cadence.data_parallel._sink import Sink, used_params
 from cadence.errors import CadenceValueError

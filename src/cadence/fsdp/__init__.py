@@ -1,6 +1,7 @@
 """cadence's fully sharded data parallelism: ``fully_shard`` (see docs/fsdp.md)."""
 
-from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
+from cadence.fsdp._api import MixedPrecisionPolicy
+from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._fully_shard import FullyShardedModule, UnshardHandle, fully_shard
 
 __all__ = [

@@ -26,7 +26,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 
-from cadence.errors import CadenceRuntimeError, CadenceTypeError, CadenceValueError
+from cadence.errors import CadenceTypeError, CadenceValueError
+from cadence.fsdp._errors import FullyShardError
 
 __all__ = [
     "FullyShardError",
@@ -37,13 +38,6 @@ __all__ = [
 ]
 
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-class FullyShardError(CadenceRuntimeError):
-    """A misuse of a fully sharded module: the message names the cause and the fix.
-
-    A `cadence.errors.CadenceError` and a ``RuntimeError``.
-    """
 
 
 @dataclass(frozen=True)

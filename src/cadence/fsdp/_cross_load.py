@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from cadence.fsdp._api import FullyShardError
+from cadence.fsdp._errors import FullyShardError
 
 __all__ = ["adopt_dtensor", "adopt_state_dict", "install_optimizer_check"]
 

@@ -18,13 +18,9 @@ from cadence._exchange import check_algorithms
 from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, EventLog, ReductionHandle
 from cadence.errors import CadenceValueError
-from cadence.fsdp._api import (
-    FullyShardError,
-    MixedPrecisionPolicy,
-    check_fully_shard_args,
-    to_mp_policy,
-)
+from cadence.fsdp._api import MixedPrecisionPolicy, check_fully_shard_args, to_mp_policy
 from cadence.fsdp._cross_load import adopt_state_dict
+from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._materialize import check_param_devices, conversion_name, conversion_target
 from cadence.fsdp._overlap import OverlapOptimizer
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook

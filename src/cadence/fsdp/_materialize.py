@@ -57,7 +57,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from cadence.fsdp._api import FullyShardError
+from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._param import ParamInfo, make_sharded_param
 
 __all__ = [

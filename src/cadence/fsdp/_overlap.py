@@ -37,7 +37,7 @@ import torch
 
 from cadence import _autograd
 from cadence._overlap_optimizer import PartialStepper
-from cadence.fsdp._api import FullyShardError
+from cadence.fsdp._errors import FullyShardError
 
 if TYPE_CHECKING:
     from cadence.fsdp._root_runtime import RootRuntime

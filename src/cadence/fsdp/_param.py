@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from cadence.fsdp._api import FullyShardError
 from cadence.fsdp._cross_load import install_optimizer_check
+from cadence.fsdp._errors import FullyShardError
 
 __all__ = ["ParamInfo", "collect_params", "make_layout", "picklable_shards_hook"]
 

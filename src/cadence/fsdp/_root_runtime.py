@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from cadence import _autograd
 from cadence._pending_grad import GradGuard
 from cadence.comm import Comm, CommWork, EventLog, ReductionHandle
-from cadence.fsdp._api import FullyShardError
+from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._unit import PendingReduction, ShardedState, Unit
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from cadence.fsdp._api import FullyShardError
+from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._fully_shard import FullyShardedModule
 from cadence.fsdp._root_runtime import TrainingState
 from cadence.fsdp._unit import ShardedState

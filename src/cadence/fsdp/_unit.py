@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from cadence.comm import CollectiveAlgorithms, Comm, CommWork, EventLog
 from cadence.errors import CadenceValueError
-from cadence.fsdp._api import FullyShardError, MixedPrecisionPolicy
+from cadence.fsdp._api import MixedPrecisionPolicy
+from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._materialize import plan_reseat, replaced, seat
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
 from cadence.fsdp._streams import StreamSet

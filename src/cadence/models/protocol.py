@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from cadence.errors import CadenceValueError
+from cadence.models._errors import BlockProtocolError
 
 __all__ = [
     "BLOCKS",
@@ -54,10 +54,6 @@ __all__ = [
 BLOCKS = "cadence_blocks"
 PARTS = "cadence_stage_parts"
 SPLIT = "split_stages"
-
-
-class BlockProtocolError(CadenceValueError):
-    """A model that does not declare (or wrongly declares) the block protocol."""
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module] | None:

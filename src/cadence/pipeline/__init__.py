@@ -48,9 +48,10 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from cadence.pipeline.runtime.build import build_pipeline
     from cadence.pipeline.runtime.executor import PipelineRuntime
     from cadence.pipeline.runtime.stage import PipelineStage
+    from cadence.pipeline.schedule._errors import ScheduleValidationError
     from cadence.pipeline.schedule.channels import channel_plan
     from cadence.pipeline.schedule.generators import generate
-    from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule, ScheduleValidationError
+    from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule
     from cadence.pipeline.schedule.passes import lower
     from cadence.pipeline.schedule.sim import simulate, verify
 

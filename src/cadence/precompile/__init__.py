@@ -23,7 +23,7 @@ import sys
 import types
 from typing import Any
 
-from cadence._owned import UntrustedPathError
+from cadence.errors import UntrustedPathError
 from cadence.precompile._api import precompile, precompile_module
 from cadence.precompile._errors import (
     CacheRefusedWarning,

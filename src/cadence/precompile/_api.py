@@ -46,13 +46,13 @@ import torch
 import torch.distributed as dist
 
 from cadence import _job_secret
-from cadence._owned import UntrustedPathError
 from cadence.comm import EventLog
-from cadence.errors import CadenceValueError
+from cadence.errors import CadenceValueError, UntrustedPathError
 from cadence.fsdp._trace import refusal, traced_forward
-from cadence.precompile._artifact import ArtifactCache, ArtifactRefused, check, decode, encode
+from cadence.precompile._artifact import ArtifactCache, check, decode, encode
 from cadence.precompile._capture import Capture
 from cadence.precompile._errors import (
+    ArtifactRefused,
     CacheRefusedWarning,
     PrecompileUsageError,
     RankMismatchError,

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence._owned import make_private_dir, read_or_create_key
+from cadence.precompile._errors import ArtifactRefused
 from cadence.precompile._key import FORMAT_VERSION, Key
 
 __all__ = [
@@ -73,14 +74,6 @@ KEY_FILE = ".cadence-precompile.key"
 _PREFIX = struct.Struct(">8sHI")
 _TAG = 32
 _MAX_HEADER = 64 << 20
-
-
-class ArtifactRefused(Exception):
-    """An artifact that must not be loaded; ``reason`` says why, in words."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 def encode(header: dict[str, Any], sections: dict[str, bytes], key: bytes) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from cadence.errors import CadenceError
 
 __all__ = [
+    "ArtifactRefused",
     "CacheRefusedWarning",
     "FrozenStateError",
     "GuardFailureError",
@@ -62,3 +63,16 @@ class CacheRefusedWarning(UserWarning):
 
 class LocalCompileWarning(UserWarning):
     """A guard failed and ``on_guard_failure="compile"`` compiled this rank on its own."""
+
+
+class ArtifactRefused(Exception):
+    """An artifact that must not be loaded; ``reason`` says why, in words.
+
+    A signal inside the package, not an error a caller sees: the loaders catch it
+    and either compile instead or raise `PrecompileError` with the reason. So it is
+    deliberately not a `CadenceError` (an ``except CadenceError`` inside cadence must
+    not swallow it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

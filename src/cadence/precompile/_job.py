@@ -16,9 +16,14 @@ from typing import Any
 import torch
 
 from cadence.precompile import _kernels, _torch_aot
-from cadence.precompile._artifact import ArtifactCache, ArtifactRefused, make_header
+from cadence.precompile._artifact import ArtifactCache, make_header
 from cadence.precompile._capture import Capture, capture, frozen_in, module_class_digests
-from cadence.precompile._errors import CacheRefusedWarning, FrozenStateError, PrecompileError
+from cadence.precompile._errors import (
+    ArtifactRefused,
+    CacheRefusedWarning,
+    FrozenStateError,
+    PrecompileError,
+)
 from cadence.precompile._function import Variant
 from cadence.precompile._key import Key, build_key
 

@@ -94,7 +94,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from cadence._owned import UntrustedPathError
+from cadence.errors import UntrustedPathError
 from cadence.train import lr_schedule
 from cadence.train._dcp_read import CheckedReader, WeightsOnlyPlanner
 from cadence.train._manifest import (

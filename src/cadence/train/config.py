@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 from cadence.errors import CadenceError
 from cadence.models.config import GPTConfig
+from cadence.pipeline.schedule._errors import ScheduleValidationError
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import canonical_name, default_chunks, generate
-from cadence.pipeline.schedule.ir import ScheduleValidationError
 from cadence.train._rules import ValueRule, derive_rules, text_problem
 
 __all__ = [

@@ -35,17 +35,10 @@ import torch
 from torch import nn
 
 from cadence.errors import CadenceValueError
+from cadence.models._errors import BlockProtocolError
 from cadence.models.gpt import TinyGPT
 from cadence.models.hf import HFCausalLM
-from cadence.models.protocol import (
-    BLOCKS,
-    PARTS,
-    SPLIT,
-    BlockProtocolError,
-    can_split,
-    model_blocks,
-    split_model,
-)
+from cadence.models.protocol import BLOCKS, PARTS, SPLIT, can_split, model_blocks, split_model
 from cadence.train.config import TrainConfig, TrainConfigError
 
 __all__ = ["build_model", "check_model", "factory_kwargs", "factory_of"]

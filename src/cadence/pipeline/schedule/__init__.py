@@ -26,6 +26,7 @@ Everything here is deterministic and runs where torch is not installed.
 
 from __future__ import annotations
 
+from cadence.pipeline.schedule._errors import ScheduleValidationError
 from cadence.pipeline.schedule.channels import (
     CHANNEL_MODES,
     ChannelPlan,
@@ -73,7 +74,6 @@ from cadence.pipeline.schedule.ir import (
     Payload,
     Schedule,
     ScheduleMeta,
-    ScheduleValidationError,
     parse_action,
 )
 from cadence.pipeline.schedule.orders import microbatch_groups, replay

@@ -44,7 +44,8 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from cadence.pipeline.schedule.ir import ActionKind, Payload, Schedule, ScheduleValidationError
+from cadence.pipeline.schedule._errors import ScheduleValidationError
+from cadence.pipeline.schedule.ir import ActionKind, Payload, Schedule
 
 __all__ = [
     "CHANNEL_MODES",

@@ -26,13 +26,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from cadence.pipeline.schedule._errors import ScheduleValidationError
 from cadence.pipeline.schedule.generators import (
     canonical_name,
     generate,
     placement_for,
     torch_schedule_name,
 )
-from cadence.pipeline.schedule.ir import Schedule, ScheduleValidationError
+from cadence.pipeline.schedule.ir import Schedule
 from cadence.pipeline.schedule.passes import lower
 from cadence.pipeline.schedule.sim import TimeModel, simulate
 

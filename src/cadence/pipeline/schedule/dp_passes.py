@@ -29,7 +29,8 @@ across steps is the runtime's choice, since it spans several schedules.
 
 from __future__ import annotations
 
-from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule, ScheduleValidationError
+from cadence.pipeline.schedule._errors import ScheduleValidationError
+from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule
 
 __all__ = ["add_reduce_grad", "add_unshard_reshard", "add_wait_reduce"]
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule, ScheduleValidationError
+from cadence.pipeline.schedule._errors import ScheduleValidationError
+from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule
 from cadence.pipeline.schedule.orders import (
     check_sizes,
     depth_first,

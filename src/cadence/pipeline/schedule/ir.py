@@ -40,7 +40,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from cadence.errors import CadenceError
+from cadence.pipeline.schedule._errors import ScheduleValidationError
 
 __all__ = [
     "COMPUTE_KINDS",
@@ -55,11 +55,6 @@ __all__ = [
 ]
 
 IR_VERSION = 1
-
-
-class ScheduleValidationError(CadenceError, ValueError):
-    """A schedule (or an input to the schedule layer) breaks a rule; the message names
-    the rule, and for a schedule the rank and the action."""
 
 
 class ActionKind(Enum):

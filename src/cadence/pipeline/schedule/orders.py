@@ -17,13 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cadence.pipeline.schedule.ir import (
-    Action,
-    ActionKind,
-    Schedule,
-    ScheduleMeta,
-    ScheduleValidationError,
-)
+from cadence.pipeline.schedule._errors import ScheduleValidationError
+from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule, ScheduleMeta
 from cadence.pipeline.schedule.validate import Edge, inputs_of, outputs_of
 
 __all__ = [

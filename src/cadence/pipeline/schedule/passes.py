@@ -71,18 +71,13 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 
+from cadence.pipeline.schedule._errors import ScheduleValidationError
 from cadence.pipeline.schedule.dp_passes import (
     add_reduce_grad,
     add_unshard_reshard,
     add_wait_reduce,
 )
-from cadence.pipeline.schedule.ir import (
-    Action,
-    ActionKind,
-    Payload,
-    Schedule,
-    ScheduleValidationError,
-)
+from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
 from cadence.pipeline.schedule.orders import compute_times
 from cadence.pipeline.schedule.validate import (
     Edge,

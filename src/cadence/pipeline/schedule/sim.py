@@ -48,21 +48,13 @@ import math
 from heapq import heappop, heappush
 from typing import Any, Literal, cast
 
-from cadence.pipeline.schedule.ir import (
-    Action,
-    ActionKind,
-    Payload,
-    Schedule,
+from cadence.pipeline.schedule._errors import (
+    FifoMismatchError,
+    ScheduleDeadlockError,
     ScheduleValidationError,
 )
-from cadence.pipeline.schedule.sim_model import (
-    FifoMismatchError,
-    MemoryModel,
-    ScheduleDeadlockError,
-    SimResult,
-    TimeModel,
-    _Op,
-)
+from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
+from cadence.pipeline.schedule.sim_model import MemoryModel, SimResult, TimeModel, _Op
 from cadence.pipeline.schedule.validate import Edge, inputs_of, outputs_of, validate_lowered
 
 __all__ = [

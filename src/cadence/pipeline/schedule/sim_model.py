@@ -11,8 +11,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from cadence.errors import CadenceError
-from cadence.pipeline.schedule.ir import Action, ActionKind, ScheduleValidationError
+from cadence.pipeline.schedule._errors import (
+    FifoMismatchError,
+    ScheduleDeadlockError,
+    ScheduleValidationError,
+)
+from cadence.pipeline.schedule.ir import Action, ActionKind
 
 __all__ = [
     "FifoMismatchError",
@@ -105,25 +109,6 @@ class SimResult:
                 f"peak in-flight activations {pk}{mem}"
             )
         return "\n".join(lines)
-
-
-class FifoMismatchError(ScheduleValidationError):
-    """The i-th SEND and the i-th RECV on a channel carry different things."""
-
-
-class ScheduleDeadlockError(CadenceError, RuntimeError):
-    """No rank can progress. ``cycle``: [(rank, action text, channel, seq, waits_on_rank)];
-    ``blocked``: rank -> (index, action text, reason)."""
-
-    def __init__(
-        self,
-        message: str,
-        cycle: list[tuple[int, str, tuple[int, int], int, int | None]],
-        blocked: dict[int, tuple[int, str, str]],
-    ) -> None:
-        super().__init__(message)
-        self.cycle = cycle
-        self.blocked = blocked
 
 
 class _Op:

@@ -28,13 +28,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from cadence.pipeline.schedule.ir import (
-    Action,
-    ActionKind,
-    Payload,
-    Schedule,
-    ScheduleValidationError,
-)
+from cadence.pipeline.schedule._errors import ScheduleValidationError
+from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
 
 __all__ = [
     "inputs_of",

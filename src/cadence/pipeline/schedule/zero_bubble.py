@@ -37,8 +37,9 @@ so every rank picks the same order.
 
 from __future__ import annotations
 
+from cadence.pipeline.schedule._errors import ScheduleValidationError
 from cadence.pipeline.schedule.greedy import greedy_v
-from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule, ScheduleValidationError
+from cadence.pipeline.schedule.ir import Action, ActionKind, Schedule
 from cadence.pipeline.schedule.orders import (
     check_sizes,
     depth_first,
