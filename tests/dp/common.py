@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-import cadence
 
 WIDTH = 16
 PER_RANK = 4
@@ -69,20 +66,3 @@ class RankDependent(nn.Module):
         if dist.get_rank() == 0:
             return self.a(x) + self.b(x)
         return self.a(x)
-
-
-def expect_error(fn: Callable[[], Any], *fragments: str) -> str:
-    """ "ok" if ``fn`` raises a cadence error whose message has every fragment, else why not.
-
-    Still used by fsdp and foundation bodies; the DataParallel scenarios use
-    `tests._scenarios.assert_raises`, which asserts instead of returning "ok".
-    """
-    try:
-        fn()
-    except cadence.CadenceError as exc:
-        msg = str(exc)
-        missing = [f for f in fragments if f not in msg]
-        if missing:
-            return f"message lacks {missing}: {msg}"
-        return "ok"
-    return "no error raised"

@@ -1,9 +1,10 @@
 """Rank body: `cadence.gradient_timing` drives torch's own FSDP2 and DDP modules.
 
-The body makes the same calls on every torch and records what happened (``"ok"``,
-a cadence refusal, or a torch error that escaped); `test_torch_timing.py` holds the
-expectations, chosen by whether torch has caller-side finalization
-([Note: driving torch's wrappers with the timing verbs] in
+The body makes the same calls on every torch and records what each raised
+(`tests._outcome.raised`: ``None`` when it returned, a cadence refusal's message, or
+a torch error that escaped), what it returned, and the collectives it issued;
+`test_torch_timing.py` holds the expectations, chosen by whether torch has
+caller-side finalization ([Note: driving torch's wrappers with the timing verbs] in
 ``cadence/_torch_timing.py``). Collectives are counted to show *when* reductions
 run: reduce-scatters for FSDP2, calls of a DDP comm hook (one per bucket) for DDP.
 """
@@ -26,7 +27,7 @@ import cadence
 from cadence.comm import ReductionHandle
 from cadence.pipeline.runtime.grad_sync import StageGradSync
 from cadence.testing import max_abs_diff
-from tests.dp.common import expect_error as _error
+from tests._outcome import raised
 from tests.fsdp.bodies_parity import _Counter
 from tests.fsdp.common import (
     apply_torch,
@@ -45,19 +46,8 @@ TORCH_DDP_FINALIZES = hasattr(DDP, "finalize_backward")
 TORCH_FSDP2_FINALIZES = hasattr(FSDPModule, "set_manual_backward_finalization")
 
 
-def _outcome(fn: Callable[[], object]) -> str:
-    """``"ok"``, ``"refused: <message>"`` (a cadence error) or ``"torch <type>: <message>"``."""
-    try:
-        fn()
-    except cadence.CadenceError as exc:
-        return f"refused: {exc}"
-    except RuntimeError as exc:  # torch's own error escaped the adapter
-        return f"torch {type(exc).__name__}: {exc}"
-    return "ok"
-
-
 def _finalize(timing: Any, got: list[Any], *, async_op: bool = False) -> Callable[[], None]:
-    """``finalize_backward`` for `_outcome`, keeping what it returned in ``got``."""
+    """``finalize_backward`` for `raised`, keeping what it returned in ``got``."""
     return lambda: got.append(timing.finalize_backward(async_op=async_op))
 
 
@@ -122,7 +112,7 @@ def _fsdp2_deferred(rank: int, world: int) -> dict[str, Any]:
     timing = cadence.gradient_timing(m)
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     timing.register_optimizer(opt)
-    out: dict[str, Any] = {"rs": []}
+    out: dict[str, Any] = {"rs": [], "finalize": []}
     with _Counter() as counter:
         for step, batch in enumerate(batches):
             manual, async_op = step == 0, step != 1
@@ -134,10 +124,10 @@ def _fsdp2_deferred(rank: int, world: int) -> dict[str, Any]:
             timing.set_requires_gradient_sync(True)
             before = counter.take()[1]
             got: list[Any] = []
-            out[f"finalize_{step}"] = _outcome(_finalize(timing, got, async_op=async_op))
+            out["finalize"].append(raised(_finalize(timing, got, async_op=async_op)))
             out["rs"].append([before, counter.take()[1]])  # [backwards, finalize]
             if not got:  # refused: torch cannot reduce without another backward
-                out["step_refused"] = _outcome(opt.step)
+                out["step_refused"] = raised(opt.step)
                 timing.reset_iter_state()
                 opt.zero_grad()
                 return out
@@ -147,9 +137,9 @@ def _fsdp2_deferred(rank: int, world: int) -> dict[str, Any]:
                 out["pending"] = {
                     "done": handle.done,
                     "is_completed": handle.is_completed(),
-                    "forward": _outcome(lambda first=micro[0]: loss_fn(m, first)),
-                    "step": _outcome(opt.step),
-                    "finalize_again": _outcome(timing.finalize_backward),
+                    "forward": raised(lambda first=micro[0]: loss_fn(m, first)),
+                    "step": raised(opt.step),
+                    "finalize_again": raised(timing.finalize_backward),
                 }
                 handle.wait()
                 out["done_after_wait"] = handle.done
@@ -177,9 +167,9 @@ def _fsdp2_nothing_pending(rank: int, world: int) -> dict[str, Any]:
             timing.finalize_backward()  # the step's own finalize (a no-op in auto mode)
             counter.take()
             got: list[Any] = []
-            outcome = _outcome(lambda got=got: _finalize_both(timing, got))
+            finalize = raised(lambda got=got: _finalize_both(timing, got))
             out[mode] = {
-                "outcome": outcome,
+                "finalize": finalize,
                 "blocking": got[0] if got else "not run",
                 "async_done": got[1].done if len(got) > 1 else "not run",
                 "rs": counter.take()[1],
@@ -192,9 +182,9 @@ def _fsdp2_nothing_pending(rank: int, world: int) -> dict[str, Any]:
         loss_fn(m, batch).backward()
         counter.take()
         out["sync_off"] = {
-            "finalize": _outcome(timing.finalize_backward),
+            "finalize": raised(timing.finalize_backward),
             "rs": counter.take()[1],
-            "mode_change": _outcome(lambda: timing.set_manual_backward_finalization(False)),
+            "mode_change": raised(lambda: timing.set_manual_backward_finalization(False)),
         }
     timing.reset_iter_state()
     return out
@@ -208,14 +198,14 @@ def _fsdp2_inside_backward(rank: int, world: int) -> dict[str, Any]:
         m = _fsdp2_model()
         timing = cadence.gradient_timing(m)
         timing.set_manual_backward_finalization(manual)
-        seen: list[str] = []
+        seen: list[str | None] = []
         x = batch.clone().requires_grad_()
         h = torch.tanh(x)  # its backward runs after every unit's
-        h.register_hook(lambda _g, t=timing, s=seen: s.append(_outcome(t.finalize_backward)))
+        h.register_hook(lambda _g, t=timing, s=seen: s.append(raised(t.finalize_backward)))
         m(h).float().pow(2).mean().backward()
         out[mode] = {
             "in_hook": seen[0] if seen else "hook did not run",
-            "after_backward": _outcome(timing.finalize_backward),
+            "after_backward": raised(timing.finalize_backward),
         }
     return out
 
@@ -287,8 +277,8 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
             (F.mse_loss(model(xb), yb) / 2).backward()
         before = len(calls)
         got: list[Any] = []
-        finalized.append(_outcome(_finalize(timing, got)))
-        finalized.append(_outcome(_finalize(timing, got, async_op=True)))
+        finalized.append(raised(_finalize(timing, got)))
+        finalized.append(raised(_finalize(timing, got, async_op=True)))
         out.setdefault("auto_finalize_all_reduces", len(calls) - before)
         out.setdefault("auto_finalize_returned", [got[0], got[1].done] if len(got) == 2 else got)
     out["auto_finalize"] = finalized
@@ -321,24 +311,22 @@ def _ddp(rank: int, world: int) -> dict[str, Any]:
     static = DDP(copy.deepcopy(base), static_graph=True)
     st = cadence.gradient_timing(static)
     loss = F.mse_loss(static(xr), yr)
-    out["flip_after_forward"] = _error(
-        lambda: st.set_requires_gradient_sync(False), "set it before the forward"
-    )
+    out["flip_after_forward"] = raised(lambda: st.set_requires_gradient_sync(False))
     loss.backward()
     # Zero-bubble split backwards: refused by the adapter, and up front by the pipeline.
-    out["split"] = _error(
-        lambda: timings[0].split_backward("input"), "every autograd call", "cadence.DataParallel"
-    )
+    out["split"] = raised(lambda: timings[0].split_backward("input"))
     out["split_refusal"] = [StageGradSync(m).split_refusal() for m in (ddp, ours)]
     out["manual"] = _ddp_manual(base, micro, reduced)
     out["deferred"] = _ddp_deferred(base, micro)
     return out
 
 
-def _ddp_inside_backward(ddp: nn.Module, timing: Any, x: torch.Tensor, y: torch.Tensor) -> str:
-    seen: list[str] = []
+def _ddp_inside_backward(
+    ddp: nn.Module, timing: Any, x: torch.Tensor, y: torch.Tensor
+) -> str | None:
+    seen: list[str | None] = []
     h = torch.tanh(x.clone().requires_grad_())  # its backward runs after the bucket is ready
-    h.register_hook(lambda _g: seen.append(_outcome(timing.finalize_backward)))
+    h.register_hook(lambda _g: seen.append(raised(timing.finalize_backward)))
     F.mse_loss(ddp(h), y).backward()
     if not timing.require_manual_backward_finalization:
         timing.finalize_backward()  # nothing pending: torch finalized at the end
@@ -362,22 +350,22 @@ def _ddp_manual(
     out["backward_all_reduces"] = len(calls)
     out["grad_vs_reduced_after_backward"] = max_abs_diff(_grads(ddp), reduced)
     got: list[Any] = []
-    out["finalize"] = _outcome(_finalize(timing, got, async_op=True))
+    out["finalize"] = raised(_finalize(timing, got, async_op=True))
     if not got:
         return out
     handle: ReductionHandle = got[0]
     out["pending"] = {
         "done": handle.done,
         "is_completed": handle.is_completed(),
-        "forward": _outcome(lambda: ddp(micro[0][0])),
-        "step": _outcome(opt.step),
-        "finalize_again": _outcome(timing.finalize_backward),
+        "forward": raised(lambda: ddp(micro[0][0])),
+        "step": raised(opt.step),
+        "finalize_again": raised(timing.finalize_backward),
     }
     handle.wait()
     out["done_after_wait"] = handle.done
     out["all_reduces_at_wait"] = len(calls) - out["backward_all_reduces"]
     out["parity_after_wait"] = max_abs_diff(_grads(ddp), reduced)
-    out["second_finalize"] = _outcome(timing.finalize_backward)  # nothing pending now
+    out["second_finalize"] = raised(timing.finalize_backward)  # nothing pending now
     # Optimizer-in-backward: finalize and step from a hook upstream of the module,
     # once the bucket is ready (the previous iteration has rebuilt DDP's buckets).
     opt.zero_grad()
@@ -385,19 +373,19 @@ def _ddp_manual(
     xr, yr = torch.cat([m[0] for m in micro]), torch.cat([m[1] for m in micro])
     out["inside_backward"] = _ddp_inside_backward(ddp, timing, xr, yr)
     out["inside_backward_all_reduces"] = len(calls)
-    out["after_inside_backward"] = _outcome(timing.finalize_backward)  # nothing left
+    out["after_inside_backward"] = raised(timing.finalize_backward)  # nothing left
     # Too early: from a hook inside the module, before the first layer's gradients
     # (so the bucket) are ready. Refused; the caller's finalize after backward works.
-    seen: list[str] = []
+    seen: list[str | None] = []
 
     def watch_first_layer(_m: nn.Module, _i: Any, o: torch.Tensor) -> None:
-        o.register_hook(lambda _g: seen.append(_outcome(timing.finalize_backward)))
+        o.register_hook(lambda _g: seen.append(raised(timing.finalize_backward)))
 
     first = ddp.module[0].register_forward_hook(watch_first_layer)
     F.mse_loss(ddp(xr), yr).backward()
     first.remove()
     out["too_early"] = seen[0] if seen else "hook did not run"
-    out["after_too_early"] = _outcome(timing.finalize_backward)
+    out["after_too_early"] = raised(timing.finalize_backward)
     return out
 
 
@@ -415,8 +403,8 @@ def _ddp_deferred(
             (F.mse_loss(ddp(xb), yb) / 2).backward()
         timing.set_requires_gradient_sync(True)
         out[mode] = {
-            "finalize": _outcome(timing.finalize_backward),
-            "step": _outcome(opt.step),
+            "finalize": raised(timing.finalize_backward),
+            "step": raised(opt.step),
             "all_reduces": len(calls),
         }
         timing.reset_iter_state()

@@ -5,6 +5,28 @@ A specification on every supported torch. Where torch has caller-side finalizati
 2.13) the adapter keeps each verb's meaning with what torch offers and refuses the
 rest. Behaviours that differ are separate tests, each selected by that capability,
 read from torch itself; see [Note: driving torch's wrappers with the timing verbs].
+
+Specification:
+- ``gradient_timing`` adapts torch's FSDP2 and DDP modules (and returns a cadence
+  ``DataParallel`` itself), and detects whether torch finalizes on the caller's side.
+- ``set_requires_gradient_sync`` governs the backward that starts after it, even when
+  set after the forward; DDP's ``no_sync()`` is still honoured; a flip after the
+  forward under DDP's ``static_graph`` is refused, naming when to set it.
+- Without torch's finalization, torch finishes the reductions at the end of the
+  syncing backward and ``finalize_backward`` has nothing left; with it, manual mode
+  leaves them to ``finalize_backward``, whose handle is pending until waited.
+- Every backward with sync off, then ``finalize_backward`` with sync on: FSDP2 with
+  torch's finalization reduces there (same parameters as the plain loop); otherwise,
+  and always for DDP, the finalize and the optimizer step are refused with the fix.
+- An unwaited handle holds back the forward, the optimizer step and a second finalize,
+  each refused naming the wait.
+- ``finalize_backward`` with nothing pending raises nothing, issues no collective, and
+  returns ``None`` (blocking) or a completed handle (async).
+- ``finalize_backward`` inside a backward is refused naming the fix, except DDP's manual
+  mode with torch's finalization once the bucket is ready; either way the caller's
+  finalize after backward returns then succeeds.
+- ``split_backward`` is refused for torch's wrappers, and a pipeline refuses them
+  up front.
 """
 
 from __future__ import annotations
@@ -14,6 +36,7 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
+from tests._outcome import assert_refused, assert_returned
 from tests.foundation.bodies_torch_timing import (
     TORCH_DDP_FINALIZES,
     TORCH_FSDP2_FINALIZES,
@@ -39,20 +62,13 @@ def rank0() -> dict[str, Any]:
     return run_distributed(torch_timing_body, world_size=2, timeout=180)[0]
 
 
-def _refused(outcome: str, *fragments: str) -> None:
-    """A cadence error (not torch's escaping) whose message names every fragment."""
-    assert outcome.startswith("refused: "), outcome
-    for fragment in fragments:
-        assert fragment in outcome, (fragment, outcome)
-
-
 def _pending_handle_holds_everything_back(p: dict[str, Any]) -> None:
     """An unwaited async handle: not done, and a forward, an optimizer step or a second
     finalize are refused, each naming the handle's wait."""
     assert p["done"] is False and p["is_completed"] is False, p
-    _refused(p["forward"], "has not been waited", "handle.wait()")
-    _refused(p["step"], "has not been waited")
-    _refused(p["finalize_again"], "before the previous handle was waited")
+    assert_refused(p["forward"], "has not been waited", "handle.wait()")
+    assert_refused(p["step"], "has not been waited")
+    assert_refused(p["finalize_again"], "before the previous handle was waited")
 
 
 def test_adapters_detect_torch_finalization(rank0: dict[str, Any]) -> None:
@@ -96,15 +112,16 @@ def test_fsdp2_manual_finalize_is_torchs_and_its_handle_pending_until_waited(
 @fsdp2_lacks_finalize
 def test_fsdp2_deferred_reduction_refused_with_the_fix(rank0: dict[str, Any]) -> None:
     d = rank0["fsdp2"]["deferred"]
-    _refused(d["finalize_0"], "accumulated with sync off", "before the last backward")
-    _refused(d["step_refused"], "never reduced", "run the last backward with sync on")
+    assert len(d["finalize"]) == 1, d  # the refusal ends the run
+    assert_refused(d["finalize"][0], "accumulated with sync off", "before the last backward")
+    assert_refused(d["step_refused"], "never reduced", "run the last backward with sync on")
     assert d["rs"] == [[0, 0]], d  # nothing issued before the refusal
 
 
 @fsdp2_finalizes
 def test_fsdp2_deferred_reduction_runs_at_finalize(rank0: dict[str, Any]) -> None:
     d = rank0["fsdp2"]["deferred"]
-    assert [d[f"finalize_{step}"] for step in range(3)] == ["ok"] * 3, d
+    assert d["finalize"] == [None] * 3, d["finalize"]  # each step's finalize returned
     # Every step: no collective in the no-sync backwards, the 4 reduce-scatters at
     # finalize (manual mode async; automatic mode blocking, then async), none at wait.
     assert d["rs"] == [[0, 4]] * 3, d
@@ -125,7 +142,8 @@ def test_fsdp2_finalize_with_nothing_pending_issues_nothing(
     rank0: dict[str, Any], mode: str
 ) -> None:
     n = rank0["fsdp2"]["nothing_pending"][mode]
-    assert n["outcome"] == "ok", n  # torch's "requires manual finalization" does not escape
+    # torch's "requires manual finalization" does not escape.
+    assert_returned(n["finalize"])
     assert n["blocking"] is None and n["async_done"] is True, n
     assert n["rs"] == 0, n
 
@@ -134,8 +152,9 @@ def test_fsdp2_finalize_with_sync_off_reduces_nothing_and_ends_the_backward(
     rank0: dict[str, Any],
 ) -> None:
     n = rank0["fsdp2"]["nothing_pending"]["sync_off"]
-    assert n["finalize"] == "ok" and n["rs"] == 0, n
-    assert n["mode_change"] == "ok", n  # torch no longer holds the manual mode
+    assert_returned(n["finalize"])
+    assert n["rs"] == 0, n
+    assert_returned(n["mode_change"])  # torch no longer holds the manual mode
 
 
 @pytest.mark.parametrize("mode", ["manual", "auto"])
@@ -145,8 +164,8 @@ def test_fsdp2_finalize_inside_backward_refused_with_the_fix(
     i = rank0["fsdp2"]["inside_backward"][mode]
     # torch's FSDP2 finalizes only after backward completes (and in automatic mode
     # only at its end), so a hook cannot be handed reduced gradients.
-    _refused(i["in_hook"], "inside backward", "after backward returns", "cadence.fully_shard")
-    assert i["after_backward"] == "ok", i
+    assert_refused(i["in_hook"], "inside backward", "after backward returns", "cadence.fully_shard")
+    assert_returned(i["after_backward"])
 
 
 # -- DDP -----------------------------------------------------------------------
@@ -160,20 +179,21 @@ def test_ddp_sync_decided_when_backward_starts(rank0: dict[str, Any]) -> None:
     assert d["off_after_forward_all_reduces"] == 0, d
     assert d["on_after_forward_all_reduces"] == 1, d
     assert d["no_sync_all_reduces"] == 0 and d["flag_restored"] is True, d
-    assert d["flip_after_forward"] == "ok", d["flip_after_forward"]
+    # static_graph: DDP's first iterations need the decision at the forward.
+    assert_refused(d["flip_after_forward"], "set it before the forward")
 
 
 def test_ddp_automatic_mode_finalize_has_nothing_left(rank0: dict[str, Any]) -> None:
     d = rank0["ddp"]
     # torch DDP and cadence.DataParallel alike: blocking and async finalize succeed.
-    assert d["auto_finalize"] == ["ok"] * 4, d["auto_finalize"]
+    assert d["auto_finalize"] == [None] * 4, d["auto_finalize"]  # none raised
     assert d["auto_finalize_returned"] == [None, True], d
     assert d["auto_finalize_all_reduces"] == 0, d
 
 
 def test_ddp_automatic_mode_finalize_inside_backward_refused(rank0: dict[str, Any]) -> None:
     outcome = rank0["ddp"]["auto_inside_backward"]
-    _refused(outcome, "inside backward", "after backward returns", "cadence.DataParallel")
+    assert_refused(outcome, "inside backward", "after backward returns", "cadence.DataParallel")
 
 
 @ddp_lacks_finalize
@@ -182,7 +202,8 @@ def test_ddp_manual_mode_finished_by_torch_at_end_of_backward(rank0: dict[str, A
     assert m["backward_all_reduces"] == 1, m
     assert m["grad_vs_reduced_after_backward"] < 1e-6, m  # already reduced
     assert m["should_finalize_0"] is False and m["should_finalize_1"] is False, m
-    assert m["finalize"] == "ok" and m["pending"]["done"] is True, m
+    assert_returned(m["finalize"])
+    assert m["pending"]["done"] is True, m
     assert m["all_reduces_at_wait"] == 0 and m["parity_after_wait"] < 1e-6, m
 
 
@@ -194,10 +215,11 @@ def test_ddp_manual_finalize_writes_grads_at_wait(rank0: dict[str, Any]) -> None
     # the handle's wait runs torch's finalize, which issues nothing more.
     assert m["backward_all_reduces"] == 1, m
     assert m["grad_vs_reduced_after_backward"] > 1e-3, m
-    assert m["finalize"] == "ok", m
+    assert_returned(m["finalize"])
     assert m["all_reduces_at_wait"] == 0, m
     assert m["parity_after_wait"] < 1e-6, m
-    assert m["second_finalize"] == "ok", m  # torch's "nothing to finalize" does not escape
+    # torch's "nothing to finalize" does not escape.
+    assert_returned(m["second_finalize"])
 
 
 @ddp_finalizes
@@ -213,17 +235,17 @@ def test_ddp_manual_finalize_inside_backward_once_the_bucket_is_ready(
     rank0: dict[str, Any],
 ) -> None:
     m = rank0["ddp"]["manual"]
-    assert m["inside_backward"] == "ok", m
+    assert_returned(m["inside_backward"])
     assert m["inside_backward_all_reduces"] == 1, m
-    assert m["after_inside_backward"] == "ok", m  # nothing left for the caller
+    assert_returned(m["after_inside_backward"])  # nothing left for the caller
 
 
 @ddp_finalizes
 def test_ddp_manual_finalize_inside_backward_too_early_refused(rank0: dict[str, Any]) -> None:
     m = rank0["ddp"]["manual"]
     # torch's own check (the bucket is not ready yet), as a cadence error.
-    _refused(m["too_early"], "inside backward", "torch refused it", "after backward returns")
-    assert m["after_too_early"] == "ok", m
+    assert_refused(m["too_early"], "inside backward", "torch refused it", "after backward returns")
+    assert_returned(m["after_too_early"])
 
 
 @ddp_lacks_finalize
@@ -232,22 +254,23 @@ def test_ddp_manual_finalize_inside_backward_refused_without_torch_finalization(
 ) -> None:
     m = rank0["ddp"]["manual"]
     for case in ("inside_backward", "too_early"):
-        _refused(m[case], "inside backward", "after backward returns", "cadence.DataParallel")
-    assert m["after_inside_backward"] == "ok" and m["after_too_early"] == "ok", m
+        assert_refused(m[case], "inside backward", "after backward returns", "cadence.DataParallel")
+    assert_returned(m["after_inside_backward"])
+    assert_returned(m["after_too_early"])
 
 
 @pytest.mark.parametrize("mode", ["manual", "auto"])
 def test_ddp_deferred_reduction_refused_with_the_fix(rank0: dict[str, Any], mode: str) -> None:
     d = rank0["ddp"]["deferred"][mode]
     # DDP reduces only from a backward's hooks, on every torch.
-    _refused(d["finalize"], "accumulated with sync off", "before the last backward")
-    _refused(d["step"], "never reduced", "run the last backward with sync on")
+    assert_refused(d["finalize"], "accumulated with sync off", "before the last backward")
+    assert_refused(d["step"], "never reduced", "run the last backward with sync on")
     assert d["all_reduces"] == 0, d
 
 
 def test_split_backward_refused_for_torch_wrappers(rank0: dict[str, Any]) -> None:
     d = rank0["ddp"]
-    assert d["split"] == "ok", d["split"]
+    assert_refused(d["split"], "every autograd call", "cadence.DataParallel")
     theirs, ours = d["split_refusal"]
     assert "torch wrapper" in theirs and "cadence.DataParallel" in theirs, theirs
     assert ours is None

@@ -1,4 +1,9 @@
-"""Rank bodies: cadence.fully_shard takes FSDP2's arguments and setters, each with its effect."""
+"""Rank bodies: cadence.fully_shard takes FSDP2's arguments and setters, each with its effect.
+
+Each section returns what it observed: distances to torch FSDP2 and to a reference
+loop, collective counts and dtypes, and what each refused argument raised (as text,
+`tests._outcome.raised`); ``test_fsdp2_surface`` holds the expectations.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 import cadence
 from cadence.fsdp import fully_shard
 from cadence.testing import max_abs_diff, run_subtests
-from tests.dp.common import expect_error as _error
+from tests._outcome import raised
 from tests.fsdp.bodies_parity import _Counter
 from tests.fsdp.common import (
     apply_cadence,
@@ -90,45 +95,34 @@ def _torch_mp(rank: int, world: int) -> dict[str, Any]:
 def _arguments(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     out: dict[str, Any] = {}
-    out["mesh_and_group"] = _error(
-        lambda: fully_shard(make_blocks(), mesh=mesh, group=dist.group.WORLD), "mesh= and group="
+    out["mesh_and_group"] = raised(
+        lambda: fully_shard(make_blocks(), mesh=mesh, group=dist.group.WORLD)
     )
-    out["mesh_type"] = _error(
-        lambda: fully_shard(make_blocks(), mesh=dist.group.WORLD), "DeviceMesh"
-    )
-    out["cpu_offload"] = _error(
-        lambda: fully_shard(make_blocks(), offload_policy=CPUOffloadPolicy()),
-        "CPUOffloadPolicy",
-        "drop offload_policy",
+    out["mesh_type"] = raised(lambda: fully_shard(make_blocks(), mesh=dist.group.WORLD))
+    out["cpu_offload"] = raised(
+        lambda: fully_shard(make_blocks(), offload_policy=CPUOffloadPolicy())
     )
     m = fully_shard(make_blocks(), offload_policy=OffloadPolicy())
     out["no_offload_ok"] = float(isinstance(m.head.weight, DTensor))
-    out["raf_int"] = _error(
-        lambda: fully_shard(make_blocks(), reshard_after_forward=2), "reshard_after_forward=2"
-    )
-    out["placement_dim1"] = _error(
-        lambda: fully_shard(make_blocks(), shard_placement_fn=lambda p: Shard(1)),
-        "gave S(1)",
-        "Return None or Shard(0)",
+    out["raf_int"] = raised(lambda: fully_shard(make_blocks(), reshard_after_forward=2))
+    out["placement_dim1"] = raised(
+        lambda: fully_shard(make_blocks(), shard_placement_fn=lambda p: Shard(1))
     )
     m = fully_shard(make_blocks(), shard_placement_fn=lambda p: Shard(0))
     out["placement_dim0_ok"] = float(isinstance(m.head.weight, DTensor))
-    out["dp_mesh_dims"] = _error(
-        lambda: fully_shard(make_blocks(), dp_mesh_dims=object()), "dp_mesh_dims"
-    )
-    out["other_offload"] = _error(
-        lambda: fully_shard(make_blocks(), offload_policy=object()), "OffloadPolicy()"
-    )
+    out["dp_mesh_dims"] = raised(lambda: fully_shard(make_blocks(), dp_mesh_dims=object()))
+    out["other_offload"] = raised(lambda: fully_shard(make_blocks(), offload_policy=object()))
     m = fully_shard(make_blocks())
     y = loss_fn(m, torch.randn(2, 16))
+    # Recorded from a hook: raising there would abort the backward.
+    out["all_reduce_in_backward"] = "the hook did not run"
     y.register_hook(
         lambda g: out.__setitem__(
-            "all_reduce_in_backward",
-            _error(lambda: m.set_requires_all_reduce(False), "inside backward"),
+            "all_reduce_in_backward", raised(lambda: m.set_requires_all_reduce(False))
         )
     )
     y.backward()
-    out["bad_mp"] = _error(lambda: fully_shard(make_blocks(), mp_policy="bf16"), "mp_policy=str")
+    out["bad_mp"] = raised(lambda: fully_shard(make_blocks(), mp_policy="bf16"))
     # ignored_params: left a plain parameter; its gradient stays local.
     m = make_blocks()
     log = cadence.EventLog()
@@ -171,7 +165,7 @@ def _is_last_backward(rank: int, world: int) -> dict[str, Any]:
             out["rs_per_micro"].append(log.count("reduce_scatter"))
             if i == 0:
                 out["grad_early"] = type(m.head.weight.grad._local_tensor).__name__
-                out["step_early"] = _error(lambda: opt.step(), "finalize_backward()")
+                out["step_early"] = raised(opt.step)
         opt.step()
         opt.zero_grad()
     guard.remove()

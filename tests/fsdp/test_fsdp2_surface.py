@@ -1,4 +1,20 @@
-"""cadence.fully_shard takes torch FSDP2's arguments, policies and setters."""
+"""cadence.fully_shard takes torch FSDP2's arguments, policies and setters.
+
+Specification:
+- ``mesh=`` (FSDP2's spelling) trains like torch FSDP2 on the same mesh, with the
+  same numbers of all-gathers and reduce-scatters.
+- torch's ``MixedPrecisionPolicy`` gives exactly what cadence's policy gives, close to
+  FSDP2 (bf16 compute on both), with bf16 all-gathers and fp32 reduce-scatters.
+- Each argument cadence cannot honour is refused with a cadence error that names the
+  argument and, where there is one, the fix (`REFUSED`); ``set_requires_all_reduce``
+  inside backward is refused too.
+- ``OffloadPolicy()``, ``Shard(0)`` placements and ``ignored_params`` are accepted: an
+  ignored parameter stays a plain tensor whose gradient is not reduced;
+  ``reshard_after_forward=False`` on the units saves the backward's re-gathers.
+- ``set_is_last_backward(False)`` keeps every microbatch's reductions in flight: ``.grad``
+  stays pending and the optimizer step is refused until the last backward, and the
+  parameters then match the plain loop.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +23,7 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
+from tests._outcome import assert_refused
 from tests.fsdp.bodies_fsdp2_surface import fsdp2_surface
 
 
@@ -28,22 +45,23 @@ def test_torch_mixed_precision_policy(surface: list[dict[str, Any]]) -> None:
     assert r["wire"] == ["all_gather:bfloat16", "reduce_scatter:float32"], r
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "mesh_and_group",
-        "mesh_type",
-        "cpu_offload",
-        "raf_int",
-        "placement_dim1",
-        "dp_mesh_dims",
-        "bad_mp",
-        "other_offload",
-        "all_reduce_in_backward",
-    ],
-)
+# What each refusal's message must name: the argument, and the fix where there is one.
+REFUSED = {
+    "mesh_and_group": ["mesh= and group="],
+    "mesh_type": ["DeviceMesh"],
+    "cpu_offload": ["CPUOffloadPolicy", "drop offload_policy"],
+    "raf_int": ["reshard_after_forward=2"],
+    "placement_dim1": ["gave S(1)", "Return None or Shard(0)"],
+    "dp_mesh_dims": ["dp_mesh_dims"],
+    "bad_mp": ["mp_policy=str"],
+    "other_offload": ["OffloadPolicy()"],
+    "all_reduce_in_backward": ["inside backward"],
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
 def test_refused_arguments(surface: list[dict[str, Any]], case: str) -> None:
-    assert surface[0]["arguments"][case] == "ok", surface[0]["arguments"][case]
+    assert_refused(surface[0]["arguments"][case], *REFUSED[case])
 
 
 def test_accepted_arguments(surface: list[dict[str, Any]]) -> None:
@@ -59,5 +77,5 @@ def test_set_is_last_backward(surface: list[dict[str, Any]]) -> None:
     r = surface[0]["is_last_backward"]
     assert r["rs_per_micro"] == [4, 4, 4, 4], r  # every microbatch reduces
     assert r["grad_early"] == "PendingGrad", r  # ... but .grad waits for the last one
-    assert r["step_early"] == "ok", r["step_early"]
+    assert_refused(r["step_early"], "finalize_backward()")
     assert r["parity"] < 1e-5, r

@@ -1,7 +1,7 @@
 """``overlap_optimizer`` on fully_shard modules: each unit stepped as its reduction completes.
 
-World 2 (gloo, one thread per rank) unless named; one case at world 4 (HSDP 2 x 2).
-
+Specification, at world 2 (gloo, one thread per rank) unless named; one case at
+world 4 (HSDP 2 x 2):
 - Parameters (gathered with ``full_tensor()``) and optimizer state after N steps are
   bitwise those of the plain ``backward(); step(); zero_grad()`` loop on the same
   fully_shard model with a StepLR schedule, for SGD (momentum, weight decay), Adam and
@@ -15,7 +15,12 @@ World 2 (gloo, one thread per rank) unless named; one case at world 4 (HSDP 2 x 
 - Stepping is early: by event order on one clock, each unit is stepped after its own
   reduce-scatter (and HSDP all-reduce) was waited, while the next unit's reduce-scatter
   is issued and not yet waited, and before backward returns.
-- Hooks and schedulers see one step per ``opt.step()``; refusals name cause and fix.
+- Hooks and schedulers see one step per ``opt.step()``.
+- Each refusal is a cadence error naming its cause and, where there is one, the fix
+  (`REFUSED`): an optimizer that needs more than each parameter's own gradient, the
+  overlap on a nested unit, a user clip after units stepped (``max_grad_norm=`` is the
+  way), and what an overlapped step cannot honour (a closure, an ``lr`` changed
+  mid-step, a second forward before ``opt.step()``); training goes on after the last.
 
 Only event order and values are asserted, never durations.
 """
@@ -27,12 +32,25 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
+from tests._outcome import assert_refused
 from tests.fsdp.bodies_overlap_optimizer import (
     OPTIMIZERS,
     STEPS,
     hsdp_suite,
     overlap_optimizer_suite,
 )
+
+# What each refusal's message must name.
+REFUSED = {
+    # Every refused class's message says why, naming LBFGS as the typical case.
+    "lbfgs": ["cannot step", "LBFGS", "Fix:"],
+    "adagrad": ["cannot step", "LBFGS", "Fix:"],
+    "nested": ["call it on the root"],
+    "user_clip": ["max_grad_norm=", "were changed after"],
+    "closure": ["closure"],
+    "lr_mid_step": ["'lr' changed", "Fix:"],
+    "second_forward": ["set_requires_gradient_sync(False)", "opt.step()"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +132,7 @@ def test_a_clip_after_units_stepped_raises_naming_max_grad_norm(
     ranks: list[dict[str, Any]],
 ) -> None:
     for r in ranks:
-        assert r["clipping"]["user_clip"] == "ok"
+        assert_refused(r["clipping"]["user_clip"], *REFUSED["user_clip"])
 
 
 def _assert_early(order: dict[str, Any]) -> None:
@@ -161,11 +179,11 @@ def test_hooks_and_scheduler_see_one_step_per_opt_step(ranks: list[dict[str, Any
 def test_optimizers_needing_more_than_their_own_gradient_are_refused(
     ranks: list[dict[str, Any]], name: str
 ) -> None:
-    assert ranks[0]["refusals"][name] == "ok"
+    assert_refused(ranks[0]["refusals"][name], *REFUSED[name])
 
 
 def test_overlap_optimizer_on_a_nested_unit_is_refused(ranks: list[dict[str, Any]]) -> None:
-    assert ranks[0]["refusals"]["nested"] == "ok"
+    assert_refused(ranks[0]["refusals"]["nested"], *REFUSED["nested"])
 
 
 @pytest.mark.parametrize("name", ["closure", "lr_mid_step", "second_forward"])
@@ -173,7 +191,7 @@ def test_what_an_overlapped_step_cannot_honour_raises(
     ranks: list[dict[str, Any]], name: str
 ) -> None:
     for r in ranks:
-        assert r["refusals"][name] == "ok"
+        assert_refused(r["refusals"][name], *REFUSED[name])
         assert r["refusals"]["recovers"]
 
 
