@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cadence
 from cadence.testing import max_abs_diff, named_grads
 from tests._scenarios import assert_raises, cases, scenarios
-from tests.dp.common import (
+from tests.data_parallel.common import (
     WIDTH,
     RankDependent,
     TwoHeads,

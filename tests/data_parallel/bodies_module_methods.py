@@ -18,7 +18,7 @@ from torch import nn
 import cadence
 from cadence.testing import max_abs_diff
 from tests._scenarios import Scenario, assert_raises, cases, scenarios
-from tests.dp.common import WIDTH, global_batch, local, strip
+from tests.data_parallel.common import WIDTH, global_batch, local, strip
 
 __all__ = ["HONOURED", "REFUSED", "SCENARIOS"]
 

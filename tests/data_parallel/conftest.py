@@ -6,7 +6,7 @@ import pytest
 
 from cadence.testing import run_distributed
 from tests._scenarios import Outcomes, merged
-from tests.dp.bodies_world2 import world2 as world2_body
+from tests.data_parallel.bodies_world2 import world2 as world2_body
 
 
 @pytest.fixture(scope="package")

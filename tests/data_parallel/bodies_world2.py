@@ -7,7 +7,7 @@ generators, so their order does not matter. One map of outcomes per bodies modul
 from __future__ import annotations
 
 from tests import _scenarios
-from tests.dp import bodies_misuse, bodies_overlap, bodies_parity, bodies_timing
+from tests.data_parallel import bodies_misuse, bodies_overlap, bodies_parity, bodies_timing
 
 __all__ = ["world2"]
 

@@ -10,13 +10,13 @@ import pytest
 
 from cadence.testing import run_distributed
 from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
-from tests.dp.bodies_join import HOOKS, PARITY, SCENARIOS
+from tests.data_parallel.bodies_join import HOOKS, PARITY, SCENARIOS
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> Outcomes:
     return merged(
-        run_distributed(run_module_scenarios, "tests.dp.bodies_join", world_size=3, timeout=120)
+        run_distributed(run_module_scenarios, "tests.data_parallel.bodies_join", world_size=3, timeout=120)
     )
 
 

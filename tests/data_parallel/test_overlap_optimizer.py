@@ -23,14 +23,14 @@ import pytest
 
 from cadence.testing import run_distributed
 from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
-from tests.dp.bodies_overlap_optimizer import SCENARIOS
+from tests.data_parallel.bodies_overlap_optimizer import SCENARIOS
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> Outcomes:
     return merged(
         run_distributed(
-            run_module_scenarios, "tests.dp.bodies_overlap_optimizer", world_size=2, timeout=240
+            run_module_scenarios, "tests.data_parallel.bodies_overlap_optimizer", world_size=2, timeout=240
         )
     )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests._scenarios import Outcomes, check, names
-from tests.dp.bodies_overlap import SCENARIOS
+from tests.data_parallel.bodies_overlap import SCENARIOS
 
 
 @pytest.mark.parametrize("name", names(SCENARIOS))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from cadence.testing import max_abs_diff, named_grads, named_params
 from tests._scenarios import scenarios
-from tests.dp.common import strip
+from tests.data_parallel.common import strip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import optimizer_in_backward as ex_b

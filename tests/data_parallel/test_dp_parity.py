@@ -10,7 +10,7 @@ import pytest
 
 from cadence.testing import run_distributed
 from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
-from tests.dp.bodies_parity import OTHER_WORLDS, SCENARIOS
+from tests.data_parallel.bodies_parity import OTHER_WORLDS, SCENARIOS
 
 
 @pytest.mark.parametrize("name", names(SCENARIOS))
@@ -23,7 +23,7 @@ def other_world(request: pytest.FixtureRequest) -> Outcomes:
     return merged(
         run_distributed(
             run_module_scenarios,
-            "tests.dp.bodies_parity",
+            "tests.data_parallel.bodies_parity",
             "OTHER_WORLDS",
             world_size=request.param,
             timeout=150,

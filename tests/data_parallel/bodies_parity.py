@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cadence
 from cadence.testing import max_abs_diff, named_grads, named_params
 from tests._scenarios import Scenario, cases, scenarios
-from tests.dp.common import global_batch, local, make_mlp, strip
+from tests.data_parallel.common import global_batch, local, make_mlp, strip
 
 # The world-2 parity configurations (other world sizes run a subset).
 CONFIGS = {

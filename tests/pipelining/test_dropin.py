@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from cadence.testing import run_distributed
-from tests.pipeline.compat.bodies_compat import STEPS, V_SHAPED, body_both, body_subgroup_refused
+from tests.pipelining.bodies_compat import STEPS, V_SHAPED, body_both, body_subgroup_refused
 
 CONFIGS = [
     ("manual", "ScheduleGPipe", 1),

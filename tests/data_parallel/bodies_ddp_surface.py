@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cadence
 from cadence.testing import max_abs_diff, named_grads
 from tests._scenarios import assert_raises, cases, scenarios
-from tests.dp.common import WIDTH, global_batch, local, make_mlp, strip
+from tests.data_parallel.common import WIDTH, global_batch, local, make_mlp, strip
 
 
 def _counting_ddp(model: nn.Module, **kwargs: Any) -> tuple[DDP, list[int]]:
@@ -389,7 +389,7 @@ def torch_comm_hook_runs_unchanged(hook: str) -> None:
 
 
 def set_static_graph_handles_a_layer_checkpointed_twice() -> None:
-    from tests.dp.bodies_timing import _Twice
+    from tests.data_parallel.bodies_timing import _Twice
 
     twice = _Twice()
     dp = cadence.DataParallel(copy.deepcopy(twice), bucket_cap_mb=0.001)

@@ -16,7 +16,7 @@ from torch import nn
 import cadence
 from cadence.testing import max_abs_diff, named_grads
 from tests._scenarios import assert_raises, failure, scenarios
-from tests.dp.common import TwoHeads, global_batch, local, make_mlp
+from tests.data_parallel.common import TwoHeads, global_batch, local, make_mlp
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests._scenarios import Outcomes, check, names
-from tests.dp.bodies_misuse import SCENARIOS
+from tests.data_parallel.bodies_misuse import SCENARIOS
 
 
 @pytest.mark.parametrize("name", names(SCENARIOS))

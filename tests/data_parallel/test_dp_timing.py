@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests._scenarios import Outcomes, check, names
-from tests.dp.bodies_timing import SCENARIOS
+from tests.data_parallel.bodies_timing import SCENARIOS
 
 
 @pytest.mark.parametrize("name", names(SCENARIOS))

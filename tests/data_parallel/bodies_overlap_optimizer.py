@@ -19,7 +19,7 @@ from torch import nn
 
 import cadence
 from tests._scenarios import assert_raises, cases, scenarios
-from tests.dp.common import global_batch, local, make_mlp
+from tests.data_parallel.common import global_batch, local, make_mlp
 
 STEPS = 4
 MakeOpt = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
