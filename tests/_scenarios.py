@@ -112,16 +112,3 @@ def assert_raises(
         assert not missing, f"{kind.__name__} message lacks {missing}: {exc}"
         return exc
     raise AssertionError(f"no {kind.__name__} raised (expected one naming {list(fragments)})")
-
-
-def failure(fn: Callable[[], object]) -> str | None:
-    """``None`` if ``fn()`` returned, else its exception as text.
-
-    For checks inside an autograd hook, where raising would abort the backward: the
-    scenario asserts on what the hook recorded once the backward returned.
-    """
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None

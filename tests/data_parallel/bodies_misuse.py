@@ -15,7 +15,8 @@ from torch import nn
 
 import cadence
 from cadence.testing import max_abs_diff, named_grads
-from tests._scenarios import assert_raises, failure, scenarios
+from tests._outcome import raised
+from tests._scenarios import assert_raises, scenarios
 from tests.data_parallel.common import TwoHeads, global_batch, local, make_mlp
 
 
@@ -72,7 +73,7 @@ def finalize_from_a_hook_before_every_bucket_launched_raises() -> None:
             t = t * 1.0
             t.register_hook(
                 lambda g: seen.append(
-                    failure(lambda: assert_raises(dp.finalize_backward, "buckets have launched"))
+                    raised(lambda: assert_raises(dp.finalize_backward, "buckets have launched"))
                 )
             )
             return t
@@ -93,9 +94,7 @@ def _in_backward(action: Any, *fragments: str) -> None:
         def forward(self, t: torch.Tensor) -> torch.Tensor:
             t = t * 1.0
             t.register_hook(
-                lambda g: seen.append(
-                    failure(lambda: assert_raises(lambda: action(dp), *fragments))
-                )
+                lambda g: seen.append(raised(lambda: assert_raises(lambda: action(dp), *fragments)))
             )
             return t
 

@@ -16,7 +16,8 @@ from torch import nn
 import cadence
 from cadence.errors import UnreducedGradientError
 from cadence.testing import max_abs_diff
-from tests._scenarios import Scenario, assert_raises, failure
+from tests._outcome import raised
+from tests._scenarios import Scenario, assert_raises
 
 __all__ = ["SCENARIOS"]
 
@@ -95,7 +96,7 @@ def misuse_names_finalize_backward(kind: str, mode: str, misuse: str) -> None:
 def grads_after_finalize_are_the_reduced_ones(kind: str, mode: str) -> None:
     model, opt, handle, expected = _pending(kind, mode)
     for misuse in _misuses(model, opt).values():
-        failure(misuse)  # each refused (checked by its own scenario), changing nothing
+        raised(misuse)  # each refused (checked by its own scenario), changing nothing
     first = next(iter(model.parameters()))
     # Shape and `is None` checks still work, and the repr says why.
     assert first.grad is not None and first.grad.shape == first.shape, "metadata"
