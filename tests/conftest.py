@@ -11,8 +11,11 @@ rest with ``--torch-free=skip``. Without the option, everything runs.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,3 +83,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+
+
+# [Note: the suite's time per file]
+# Each lane must stay well under CI's budget (docs/torch-versions.md), and a test
+# file that grows slow should be seen before it is felt. So every run sums each
+# file's setup, call and teardown time, prints the slowest files with the total,
+# and, when CADENCE_TEST_TIMES names a file (``./dev test`` sets one per lane, under
+# the git-ignored .test-times/), writes every file's seconds there as JSON. Nothing
+# asserts on these times: they are a record, read on a quiet machine.
+_FILE_SECONDS: dict[str, float] = {}
+SLOWEST_SHOWN = 10
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if not _FILE_SECONDS:
+        return
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("-", f"time per test file: {total:.0f} s in {len(ranked)} files")
+    for path, seconds in ranked[:SLOWEST_SHOWN]:
+        terminalreporter.write_line(f"{seconds:7.1f} s  {path}")
+    target = os.environ.get("CADENCE_TEST_TIMES")
+    if target:
+        out = Path(target)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        record = {"total_s": round(total, 2), "files": {p: round(s, 2) for p, s in ranked}}
+        out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
