@@ -83,14 +83,31 @@ def test_pp_record(tmp_path: Path) -> None:
 def test_step_record(tmp_path: Path) -> None:
     record, path, _ = run_bench("step", tiny=True, out_dir=tmp_path)
     _check_record(record, path, "step")
-    assert [r["case"] for r in record["rows"]] == ["dense_adamw", "fsdp_adamw", "recommender"]
+    cases = ["dense_adamw", "fsdp_adamw", "recommender", "nanogpt_dp", "nanogpt_fsdp", "pipeline"]
+    assert [r["case"] for r in record["rows"]] == cases
+    variants = {"plain", "cadence", "cadence_sync", "torch", "torch_b"}
     for row in record["rows"]:
-        assert set(row["abs_ms"]) == {"plain", "cadence", "cadence_sync", "torch", "torch_b"}
+        assert set(row["abs_ms"]) == variants
         assert set(row["extra"]) == {"limit_cadence", "limit_cadence_sync", "limit_torch"}
         assert row["ratio"]["n"] == 2
-    assert [r["target"] for r in record["rows"]] == [0.85, 0.50, 0.80]
+        # The variants train the same model: one loss from the same weights, then after
+        # one update every data-parallel variant agrees (plain averages no gradient).
+        losses = row["losses"]
+        assert set(losses) == variants and all(len(v) == 2 for v in losses.values())
+        first = losses["plain"][0]
+        assert all(v[0] == pytest.approx(first, rel=1e-6) for v in losses.values()), row
+        after = losses["torch"][1]
+        assert after != first, row
+        assert losses["cadence"][1] == losses["cadence_sync"][1], row  # overlap: bitwise
+        assert losses["torch_b"][1] == after, row
+        assert losses["cadence"][1] == pytest.approx(after, rel=1e-5), row
+    assert [r["target"] for r in record["rows"]] == [0.85, 0.50, 0.80, 1.00, 1.00, 0.90]
+    # The pipeline needs replicas of each stage: it ran in its own launch at world 4.
+    assert record["settings"]["world"] == 2
+    assert record["settings"]["world_4"].startswith("pipeline (")
     page = render({"step": dict(record, _path=str(path))})
     assert "Whole training steps" in page
+    assert "`pipeline`" in page and "`nanogpt_dp`" in page
 
 
 def test_collectives_record(tmp_path: Path) -> None:

@@ -2,8 +2,9 @@
 
 - ``dp``: DataParallel vs DDP (`cadence.bench.dp`);
 - ``step``: whole training steps, cadence's overlaps (``overlap_optimizer``, sparse
-  work during the dense reduction) vs torch stepping after backward
-  (`cadence.bench.step`);
+  work during the dense reduction; nanoGPT's accumulation loop under DataParallel and
+  fully_shard; a pp x dp pipeline whose stages step as their reductions complete) vs
+  torch stepping after backward (`cadence.bench.step`);
 - ``fsdp``: fully_shard vs FSDP2, step time and peak RSS growth (`cadence.bench.fsdp`);
 - ``pp``: pipeline runtime vs torch pipelining, five schedules (`cadence.bench.pp`);
 - ``collectives``: cadence's exchange collectives vs gloo's own

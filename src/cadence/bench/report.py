@@ -46,9 +46,17 @@ _NOTES = {
         "bucket stepped while later buckets reduce) vs DDP + `opt.step()`; `fsdp_adamw`:\n"
         "fully_shard with `overlap_optimizer` (per unit) vs FSDP2 + `opt.step()`. `recommender`:\n"
         "the sparse embedding's exchange and step run while the dense buckets are in\n"
-        "flight (manual finalization) vs after DDP's backward. `limit_*` is each variant's\n"
-        "step time over the same step with no communication at all (1.00 = fully hidden);\n"
-        "`cadence_sync` is cadence's wrapper stepped as torch steps.\n"
+        "flight (manual finalization) vs after DDP's backward. `nanogpt_dp` and\n"
+        "`nanogpt_fsdp`: nanoGPT's loop (a GPT-2-shaped TinyGPT scaled down to a CPU, AdamW\n"
+        "with nanoGPT's decay groups, 4 microbatches synchronized on the last) with\n"
+        "`overlap_optimizer`, vs DDP (`require_backward_grad_sync`) and FSDP2\n"
+        "(`set_requires_gradient_sync`) + `opt.step()`. `pipeline`: the GPT in 2 stages,\n"
+        "1F1B, pp 2 x dp 2 at world 4: cadence's runtime over DataParallel stages, each\n"
+        "stepped as its deferred reduction completes, vs torch pipelining over DDP stages +\n"
+        "`opt.step()` after the schedule. `limit_*` is each variant's step time over the\n"
+        "same step with no communication at all (the pipeline's: with no data-parallel\n"
+        "reduction; 1.00 = fully hidden); `cadence_sync` is cadence's wrapper stepped as\n"
+        "torch steps.\n"
     ),
     "schedules": (
         "Building (generate + lower) and proving (`verify`: validation + strict\n"
@@ -122,7 +130,7 @@ Reproduce (from the repository root):
 
 ```
 cadence bench dp          # DataParallel vs DDP, three shapes
-cadence bench step        # whole steps: overlap_optimizer, sparse work during the reduction
+cadence bench step        # whole steps: overlap_optimizer (dense, nanoGPT, pipeline), sparse
 cadence bench fsdp        # fully_shard vs FSDP2, prefetch x reshard_after_forward, RSS
 cadence bench pp          # five schedules, world 2 and 4
 cadence bench collectives # exchange vs gloo's reduce-scatter, all-gather, all-reduce

@@ -26,9 +26,45 @@ Cases:
   second group and its SGD step) while the dense buckets are in flight, as
   ``examples/overlap_sparse.py``; torch runs the sparse half after DDP's backward
   (target <= 0.80).
+- ``nanogpt_dp``: nanoGPT's training loop on cadence's TinyGPT shaped like nanoGPT's
+  GPT-2 small, scaled down to a CPU (6 blocks of width 128, LayerNorms and biases, tied
+  embeddings: many small parameters), AdamW with nanoGPT's decay groups, 4 microbatches
+  accumulated with ``require_backward_grad_sync`` False on all but the last, as nanoGPT
+  does, no clipping (a global norm needs every reduced gradient, so nothing would be
+  left to overlap). ``cadence`` is DataParallel with ``overlap_optimizer``; torch is
+  DDP + ``opt.step()`` (target <= 1.00).
+- ``nanogpt_fsdp``: the same loop sharded, a unit per block plus the root, the
+  non-final microbatches under ``set_requires_gradient_sync(False)`` as torch's FSDP2
+  docs accumulate; ``cadence`` is fully_shard with ``overlap_optimizer``; torch is FSDP2
+  + ``opt.step()`` (target <= 1.00).
+- ``pipeline``: the same GPT (untied) cut into 2 stages, 1F1B over 4 microbatches, at
+  world 4 = pp 2 x dp 2, in its own launch (see [Note: a case with its own world]).
+  Each stage is wrapped across its 2 replicas and has its own AdamW. ``cadence`` is
+  cadence's runtime over DataParallel stages with ``overlap_optimizer``: the runtime
+  issues a stage's reduction right after its last backward (REDUCE_GRAD, before that
+  gradient is sent on) and waits it at WAIT_REDUCE_GRAD, and that wait steps each
+  bucket as it completes, so a stage steps its optimizer as soon as its deferred
+  reduction lands, while the stage before it is still in its last backward;
+  ``opt.step()`` after the runtime's step only finishes what is left. torch is
+  ``torch.distributed.pipelining``'s ``Schedule1F1B`` over DDP stages (torch arms the
+  DDP reduction in the last backward, which waits it before the gradient is sent on)
+  + ``opt.step()`` after the schedule. ``plain`` is cadence's runtime over unwrapped
+  stages: the pipeline with the data-parallel reduction removed (target <= 0.90).
 
-Reported per case: step time ratio and A/A, and in ``extra`` each variant's step time
-as a multiple of ``plain`` (``limit_*``: 1.00 would mean communication fully hidden).
+Reported per case: step time ratio and A/A, in ``extra`` each variant's step time as a
+multiple of ``plain`` (``limit_*``: 1.00 would mean communication fully hidden), and in
+``losses`` each variant's training loss at its first two steps on one rank (the rank of
+a replica's last stage, for the pipeline): the first from the same weights, so equal
+in every variant, the second after one update, where every data-parallel variant
+agrees (``plain``, which averages no gradient, does not). That is the check that the
+variants train the same model; the tiny test asserts it.
+
+[Note: a case with its own world]
+A case whose spec names a ``world`` runs in a launch of its own at that world; the
+others share one launch at ``run``'s ``world``. The pipeline needs replicas of each
+stage for a reduction to exist, so it needs pp x dp ranks; the single-model cases keep
+world 2, which a 2-core machine runs without oversubscribing. World 4 on 2 cores
+oversubscribes: read the pipeline's ratio, not its times.
 """
 
 from __future__ import annotations
@@ -48,7 +84,7 @@ from cadence.bench._loop import (
 )
 from cadence.bench._record import make_record, timed_row
 
-__all__ = ["CASES", "rank_body", "run"]
+__all__ = ["CASES", "TINY", "rank_body", "run"]
 
 VARIANTS = ("plain", "cadence", "cadence_sync", "torch", "torch_b")
 
@@ -62,6 +98,21 @@ CASES: dict[str, dict[str, Any]] = {
                             "SGD, batch 256/rank, bags of 16",
                     "kind": "recommender", "vocab": 200_000, "dim": 64, "layers": 6,
                     "width": 512, "batch": 256, "bag": 16, "target": 0.80},
+    "nanogpt_dp": {"what": "nanoGPT-shaped TinyGPT: 6 blocks, width 128, 4 heads, "
+                           "vocab 512 (tied), seq 64, 4 microbatches of 2/rank, AdamW",
+                   "kind": "nanogpt_dp", "layers": 6, "width": 128, "heads": 4, "vocab": 512,
+                   "seq": 64, "batch": 2, "accum": 4, "target": 1.00},
+    "nanogpt_fsdp": {"what": "nanoGPT-shaped TinyGPT: 6 blocks, width 128, 4 heads, "
+                             "vocab 512 (tied), seq 64, a unit per block, 4 microbatches "
+                             "of 2/rank, AdamW",
+                     "kind": "nanogpt_fsdp", "layers": 6, "width": 128, "heads": 4,
+                     "vocab": 512, "seq": 64, "batch": 2, "accum": 4, "target": 1.00},
+    "pipeline": {"what": "nanoGPT-shaped TinyGPT: 6 blocks, width 128, 4 heads, vocab 512, "
+                         "seq 64, 2 stages, 1F1B, 4 microbatches of 2/replica, pp 2 x dp 2, "
+                         "AdamW per stage",
+                 "kind": "pipeline", "world": 4, "pp": 2, "schedule": "1f1b", "layers": 6,
+                 "width": 128, "heads": 4, "vocab": 512, "seq": 64, "batch": 2, "accum": 4,
+                 "target": 0.90},
 }  # fmt: skip
 TINY: dict[str, dict[str, Any]] = {
     "dense_adamw": {"what": "tiny", "kind": "dense", "layers": 2, "width": 16, "batch": 4,
@@ -70,8 +121,35 @@ TINY: dict[str, dict[str, Any]] = {
                    "target": 0.50},
     "recommender": {"what": "tiny", "kind": "recommender", "vocab": 64, "dim": 4, "layers": 2,
                     "width": 16, "batch": 4, "bag": 3, "target": 0.80},
+    "nanogpt_dp": {"what": "tiny", "kind": "nanogpt_dp", "layers": 2, "width": 16, "heads": 2,
+                   "vocab": 32, "seq": 8, "batch": 2, "accum": 4, "target": 1.00},
+    "nanogpt_fsdp": {"what": "tiny", "kind": "nanogpt_fsdp", "layers": 2, "width": 16,
+                     "heads": 2, "vocab": 32, "seq": 8, "batch": 2, "accum": 4, "target": 1.00},
+    "pipeline": {"what": "tiny", "kind": "pipeline", "world": 4, "pp": 2, "schedule": "1f1b",
+                 "layers": 2, "width": 16, "heads": 2, "vocab": 32, "seq": 8, "batch": 1,
+                 "accum": 4, "target": 0.90},
 }  # fmt: skip
 BUCKET_CAP_MB = 1.0
+
+Steps = dict[str, Callable[[], None]]
+
+
+class _FirstLosses:
+    """Each variant's loss at its first two steps (see the module docstring), kept as
+    detached tensors so that noting one costs no device synchronization."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[Any]] = {k: [] for k in VARIANTS}
+
+    def wants(self, k: str) -> bool:
+        return len(self.seen[k]) < 2
+
+    def note(self, k: str, loss: Any) -> None:
+        if self.wants(k):
+            self.seen[k].append(loss.detach().float())
+
+    def floats(self) -> dict[str, list[float]]:
+        return {k: [float(x) for x in v] for k, v in self.seen.items()}
 
 
 def _tower(layers: int, width: int, d_in: int) -> Any:
@@ -83,17 +161,17 @@ def _tower(layers: int, width: int, d_in: int) -> Any:
     return nn.Sequential(*mods, nn.Linear(width, 1))
 
 
-def _ddp(model: Any, device: str) -> Any:
+def _ddp(model: Any, device: str, group: Any = None) -> Any:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    kw: dict[str, Any] = {"bucket_cap_mb": BUCKET_CAP_MB}
+    kw: dict[str, Any] = {"bucket_cap_mb": BUCKET_CAP_MB, "process_group": group}
     if device != "cpu":
         kw["device_ids"] = [torch.cuda.current_device()]
     return DDP(model, **kw)
 
 
-def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> dict[str, Callable[[], None]]:
+def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
     """One closure per variant: zero_grad, forward, backward, AdamW step."""
     import torch
 
@@ -112,38 +190,46 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> dict[str, Call
     }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     models["cadence"].overlap_optimizer(opts["cadence"])
+    losses = _FirstLosses()
 
     def step(k: str) -> None:
         opts[k].zero_grad(set_to_none=True)
-        models[k](x).float().pow(2).mean().backward()
+        loss = models[k](x).float().pow(2).mean()
+        loss.backward()
+        losses.note(k, loss)
         opts[k].step()
 
-    return {k: functools.partial(step, k) for k in VARIANTS}
+    return {k: functools.partial(step, k) for k in VARIANTS}, losses
 
 
-def _sharded(impl: str, base: Any, device: str) -> Any:
-    """``base`` with one unit per Linear block and the root, by cadence or torch FSDP2."""
+def _sharded(
+    impl: str, base: Any, device: str, blocks: Callable[[Any], list[Any]] | None = None
+) -> Any:
+    """``base`` with one unit per block and the root, by cadence or torch FSDP2; the
+    blocks are ``blocks(model)``, by default every Linear but the last."""
     import torch.distributed as dist
     from torch import nn
 
     model = copy.deepcopy(base)
-    blocks = [m for m in model if isinstance(m, nn.Linear)][:-1]
+    units = (
+        blocks(model) if blocks is not None else [m for m in model if isinstance(m, nn.Linear)][:-1]
+    )
     if impl == "cadence":
         from cadence.fsdp import fully_shard
 
-        for b in blocks:
+        for b in units:
             fully_shard(b)
         return fully_shard(model)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = init_device_mesh(device.split(":")[0], (dist.get_world_size(),))
-    for b in blocks:
+    for b in units:
         torch_fully_shard(b, mesh=mesh)
     return torch_fully_shard(model, mesh=mesh)
 
 
-def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> dict[str, Callable[[], None]]:
+def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
     """One closure per variant: zero_grad, forward, backward, AdamW step, sharded."""
     import torch
 
@@ -156,18 +242,19 @@ def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> dict[str, Calla
         models[k] = _sharded("cadence" if k.startswith("cadence") else "torch", base, device)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     models["cadence"].overlap_optimizer(opts["cadence"])
+    losses = _FirstLosses()
 
     def step(k: str) -> None:
         opts[k].zero_grad(set_to_none=True)
-        models[k](x).float().pow(2).mean().backward()
+        loss = models[k](x).float().pow(2).mean()
+        loss.backward()
+        losses.note(k, loss)
         opts[k].step()
 
-    return {k: functools.partial(step, k) for k in VARIANTS}
+    return {k: functools.partial(step, k) for k in VARIANTS}, losses
 
 
-def _recommender_steps(
-    spec: dict[str, Any], rank: int, device: str
-) -> dict[str, Callable[[], None]]:
+def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
     """Sparse embedding outside the wrapper, dense tower inside; SGD on both."""
     import torch
     import torch.distributed as dist
@@ -197,6 +284,7 @@ def _recommender_steps(
         towers[k] = _ddp(copy.deepcopy(tower), device)
     dense_opts = {k: torch.optim.SGD(t.parameters(), lr=1e-3) for k, t in towers.items()}
     sparse_opts = {k: torch.optim.SGD(b.parameters(), lr=1e-3) for k, b in bags.items()}
+    losses = _FirstLosses()
 
     def sparse_half(k: str) -> None:
         grad = bags[k].weight.grad
@@ -208,7 +296,9 @@ def _recommender_steps(
     def step(k: str) -> None:
         dense_opts[k].zero_grad(set_to_none=True)
         sparse_opts[k].zero_grad(set_to_none=True)
-        towers[k](torch.tanh(bags[k](ids))).float().pow(2).mean().backward()
+        loss = towers[k](torch.tanh(bags[k](ids))).float().pow(2).mean()
+        loss.backward()
+        losses.note(k, loss)
         # cadence: backward only launched the dense buckets; the sparse half runs while
         # they are in flight, then finalize. Everyone else: backward already waited.
         sparse_half(k)
@@ -216,7 +306,208 @@ def _recommender_steps(
             towers[k].finalize_backward()
         dense_opts[k].step()
 
-    return {k: functools.partial(step, k) for k in VARIANTS}
+    return {k: functools.partial(step, k) for k in VARIANTS}, losses
+
+
+# -- nanoGPT ----------------------------------------------------------------------
+
+
+def _gpt(spec: dict[str, Any], *, tied: bool) -> Any:
+    """cadence's TinyGPT at the case's shape, the same weights on every rank, initialized
+    as nanoGPT does (normal(0, 0.02), zero biases): with the default N(0, 1) embedding
+    tied to the head, the logits would start far too large for a sensible loss."""
+    import torch
+    from torch import nn
+
+    from cadence.models.gpt import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=spec["vocab"],
+        seq_len=spec["seq"],
+        d_model=spec["width"],
+        n_heads=spec["heads"],
+        n_layers=spec["layers"],
+        tie_embeddings=tied,
+    )
+    model = TinyGPT(cfg)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, 0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.zero_()
+    return model
+
+
+def _tokens(spec: dict[str, Any], seed: int, device: str) -> tuple[Any, Any]:
+    """``accum`` microbatches of ``batch`` windows of ``seq`` tokens, and their next
+    tokens: inputs and targets shaped (accum, batch, seq), as nanoGPT's get_batch."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (spec["accum"], spec["batch"], spec["seq"] + 1)
+    seq = torch.randint(0, spec["vocab"], shape, generator=g).to(device)
+    return seq[..., :-1].contiguous(), seq[..., 1:].contiguous()
+
+
+def _gpt_loss(logits: Any, target: Any) -> Any:
+    from cadence.models.gpt import TinyGPT
+
+    return TinyGPT.loss(logits.float(), target)
+
+
+def _nanogpt_adamw(model: Any, device: str) -> Any:
+    """nanoGPT's ``configure_optimizers``: weight decay on matrices and embeddings only,
+    betas (0.9, 0.95), fused on CUDA."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = {"fused": True} if device.startswith("cuda") else {}
+    return torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), **fused)
+
+
+def _nanogpt_loop(
+    models: dict[str, Any], opts: dict[str, Any], spec: dict[str, Any], x: Any, y: Any,
+    set_sync: Callable[[Any, bool], None],
+) -> tuple[Steps, _FirstLosses]:  # fmt: skip
+    """nanoGPT's step: ``accum`` microbatches, the gradient synchronized on the last
+    only (``set_sync(model, flag)``), then the optimizer step and ``zero_grad``."""
+    accum = spec["accum"]
+    losses = _FirstLosses()
+
+    def step(k: str) -> None:
+        model, total = models[k], None
+        for i in range(accum):
+            if k != "plain":
+                set_sync(model, i == accum - 1)
+            loss = _gpt_loss(model(x[i]), y[i]) / accum
+            loss.backward()
+            if losses.wants(k):
+                total = loss.detach() if total is None else total + loss.detach()
+        if total is not None:
+            losses.note(k, total)
+        opts[k].step()
+        opts[k].zero_grad(set_to_none=True)
+
+    return {k: functools.partial(step, k) for k in VARIANTS}, losses
+
+
+def _nanogpt_dp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+    """DataParallel (+ overlap_optimizer) vs DDP, accumulating as nanoGPT does."""
+    from cadence.data_parallel import DataParallel
+
+    base = _gpt(spec, tied=True).to(device)
+    x, y = _tokens(spec, rank, device)
+    models = {
+        "plain": copy.deepcopy(base),
+        "cadence": DataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB),
+        "cadence_sync": DataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB),
+        "torch": _ddp(copy.deepcopy(base), device),
+        "torch_b": _ddp(copy.deepcopy(base), device),
+    }
+    opts = {k: _nanogpt_adamw(m, device) for k, m in models.items()}
+    models["cadence"].overlap_optimizer(opts["cadence"])
+
+    def set_sync(model: Any, flag: bool) -> None:
+        model.require_backward_grad_sync = flag  # nanoGPT's spelling, DDP's flag
+
+    return _nanogpt_loop(models, opts, spec, x, y, set_sync)
+
+
+def _nanogpt_fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+    """fully_shard (+ overlap_optimizer) vs FSDP2, a unit per block plus the root."""
+    base = _gpt(spec, tied=True).to(device)
+    x, y = _tokens(spec, rank, device)
+    models = {"plain": copy.deepcopy(base)}
+    for k in VARIANTS[1:]:
+        impl = "cadence" if k.startswith("cadence") else "torch"
+        models[k] = _sharded(impl, base, device, blocks=lambda m: list(m.blocks))
+    opts = {k: _nanogpt_adamw(m, device) for k, m in models.items()}
+    models["cadence"].overlap_optimizer(opts["cadence"])
+
+    def set_sync(model: Any, flag: bool) -> None:
+        model.set_requires_gradient_sync(flag)  # as torch's FSDP2 docs accumulate
+
+    return _nanogpt_loop(models, opts, spec, x, y, set_sync)
+
+
+# -- pipeline ---------------------------------------------------------------------
+
+
+def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+    """pp x dp: cadence's runtime over DataParallel stages stepping as each stage's
+    reduction completes, vs torch pipelining over DDP stages + ``opt.step()``. One
+    stage per rank (GPipe, 1F1B): a rank's stage is its pipeline position."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    from cadence.data_parallel import DataParallel
+    from cadence.pipeline.runtime import build_pipeline
+    from cadence.pipeline.schedule import torch_schedule_name
+    from cadence.topology import Topology
+
+    pp, m = spec["pp"], spec["accum"]
+    pg = Topology(dp_replicate=dist.get_world_size() // pp, pp=pp).build()
+    stage = pg.pp_rank
+    base = _gpt(spec, tied=False).to(device)  # tied weights cannot span stages
+
+    def chunk() -> Any:
+        # A copy's chunk keeps only its own modules: the other stages' are dropped.
+        return copy.deepcopy(base).split_stages(pp)[stage]
+
+    # One replica's batch, the same on both of its pipeline ranks (stage 0 reads the
+    # tokens, the last stage the targets); another replica's differs.
+    x, y = (t.flatten(0, 1) for t in _tokens(spec, pg.dp_rank, device))
+    mods: dict[str, Any] = {"plain": chunk()}
+    for k in ("cadence", "cadence_sync"):
+        mods[k] = DataParallel(chunk(), group=pg, bucket_cap_mb=BUCKET_CAP_MB)
+    for k in ("torch", "torch_b"):
+        mods[k] = _ddp(chunk(), device, group=pg.dp)
+    opts = {k: _nanogpt_adamw(mod, device) for k, mod in mods.items()}
+    # The wait of the stage's reduction (WAIT_REDUCE_GRAD) steps its buckets.
+    mods["cadence"].overlap_optimizer(opts["cadence"])
+    runtimes = {
+        k: build_pipeline(spec["schedule"], {stage: mods[k]}, n_microbatches=m, groups=pg,
+                          loss_fn=_gpt_loss, device=device)
+        for k in ("plain", "cadence", "cadence_sync")
+    }  # fmt: skip
+    cls = ts.get_schedule_class(torch_schedule_name(spec["schedule"]))
+    scheds = {
+        k: cls(PipelineStage(mods[k], stage, pp, torch.device(device), group=pg.pp),
+               n_microbatches=m, loss_fn=_gpt_loss)
+        for k in ("torch", "torch_b")
+    }  # fmt: skip
+    losses = _FirstLosses()
+
+    def step(k: str) -> None:
+        mb_losses: list[Any] = []
+        if k in runtimes:
+            runtimes[k].step(x, target=y, losses=mb_losses)
+        else:
+            scheds[k].step(*((x,) if stage == 0 else ()), target=y, losses=mb_losses)
+        if mb_losses and losses.wants(k):  # the last stage's ranks
+            losses.note(k, torch.stack([t.detach().float() for t in mb_losses]).mean())
+        opts[k].step()
+        opts[k].zero_grad(set_to_none=True)
+
+    return {k: functools.partial(step, k) for k in VARIANTS}, losses
+
+
+_BUILDERS: dict[str, Callable[[dict[str, Any], int, str], tuple[Steps, _FirstLosses]]] = {
+    "dense": _dense_steps,
+    "fsdp": _fsdp_steps,
+    "recommender": _recommender_steps,
+    "nanogpt_dp": _nanogpt_dp_steps,
+    "nanogpt_fsdp": _nanogpt_fsdp_steps,
+    "pipeline": _pipeline_steps,
+}
 
 
 def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[str, Any]:
@@ -225,10 +516,10 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[
     rank, device = dist.get_rank(), rank_device()
     out: dict[str, Any] = {}
     for name, spec in cases.items():
-        build = {"dense": _dense_steps, "fsdp": _fsdp_steps}.get(spec["kind"], _recommender_steps)
-        steps = build(spec, rank, device)
-        out[name] = interleave(steps, warmup=warmup, reps=reps)
-        del steps
+        steps, losses = _BUILDERS[spec["kind"]](spec, rank, device)
+        times = interleave(steps, warmup=warmup, reps=reps)
+        out[name] = {"times": times, "losses": losses.floats()}
+        del steps, losses
     return out
 
 
@@ -239,25 +530,35 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
     cases = TINY if tiny else CASES
     warmup, reps = (1, 2) if tiny else (3, 12) if quick else (5, 40)
     load0 = loadavg()
-    per_rank = launch_ranks(step.rank_body, cases, warmup, reps, world=world, timeout=1800)
+    # See [Note: a case with its own world].
+    worlds: dict[int, dict[str, dict[str, Any]]] = {}
+    for name, spec in cases.items():
+        worlds.setdefault(spec.get("world", world), {})[name] = spec
+    results: dict[str, list[dict[str, Any]]] = {}
+    for w, group in worlds.items():
+        per_rank = launch_ranks(step.rank_body, group, warmup, reps, world=w, timeout=1800)
+        for name in group:
+            results[name] = [r[name] for r in per_rank]
     rows = []
     for name, spec in cases.items():
-        results = [r[name] for r in per_rank]
-        t = {k: slowest_per_rep(results, k) for k in VARIANTS}
+        t = {k: slowest_per_rep([r["times"] for r in results[name]], k) for k in VARIANTS}
         plain = sorted(t["plain"])[len(t["plain"]) // 2]
         extra = {
             f"limit_{k}": sorted(t[k])[len(t[k]) // 2] / plain
             for k in ("cadence", "cadence_sync", "torch")
         }
-        rows.append(
-            timed_row(name, t, mine="cadence", ref="torch", ref_b="torch_b",
-                      target=spec["target"], what=spec["what"], extra=extra)
-        )  # fmt: skip
-    return make_record(
-        "step",
-        quick=quick,
-        rows=rows,
-        load_before=load0,
-        settings={"world": world, "backend": device_and_backend(world)[1], "warmup": warmup,
-                  "reps": reps, "bucket_cap_mb": BUCKET_CAP_MB, "threads_per_rank": 1},
-    )  # fmt: skip
+        row = timed_row(name, t, mine="cadence", ref="torch", ref_b="torch_b",
+                        target=spec["target"], what=spec["what"], extra=extra)  # fmt: skip
+        # The first rank that computed a loss in every variant (a pipeline's first
+        # stage computes none).
+        row["losses"] = next(
+            (r["losses"] for r in results[name] if all(r["losses"].values())), None
+        )
+        rows.append(row)
+    settings: dict[str, Any] = {"world": world, "backend": device_and_backend(world)[1]}
+    for w, group in worlds.items():
+        if w != world:
+            settings[f"world_{w}"] = f"{', '.join(group)} ({device_and_backend(w)[1]})"
+    settings.update({"warmup": warmup, "reps": reps, "bucket_cap_mb": BUCKET_CAP_MB,
+                     "threads_per_rank": 1})  # fmt: skip
+    return make_record("step", quick=quick, rows=rows, load_before=load0, settings=settings)
