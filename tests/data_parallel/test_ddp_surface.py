@@ -17,7 +17,10 @@ from tests.data_parallel.bodies_ddp_surface import SCENARIOS
 def outcomes() -> Outcomes:
     return merged(
         run_distributed(
-            run_module_scenarios, "tests.data_parallel.bodies_ddp_surface", world_size=2, timeout=240
+            run_module_scenarios,
+            "tests.data_parallel.bodies_ddp_surface",
+            world_size=2,
+            timeout=240,
         )
     )
 

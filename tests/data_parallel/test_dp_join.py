@@ -16,7 +16,9 @@ from tests.data_parallel.bodies_join import HOOKS, PARITY, SCENARIOS
 @pytest.fixture(scope="module")
 def outcomes() -> Outcomes:
     return merged(
-        run_distributed(run_module_scenarios, "tests.data_parallel.bodies_join", world_size=3, timeout=120)
+        run_distributed(
+            run_module_scenarios, "tests.data_parallel.bodies_join", world_size=3, timeout=120
+        )
     )
 
 

@@ -34,7 +34,10 @@ from tests.data_parallel.bodies_module_methods import SCENARIOS
 def outcomes() -> Outcomes:
     return merged(
         run_distributed(
-            run_module_scenarios, "tests.data_parallel.bodies_module_methods", world_size=2, timeout=240
+            run_module_scenarios,
+            "tests.data_parallel.bodies_module_methods",
+            world_size=2,
+            timeout=240,
         )
     )
 

@@ -30,7 +30,10 @@ from tests.data_parallel.bodies_overlap_optimizer import SCENARIOS
 def outcomes() -> Outcomes:
     return merged(
         run_distributed(
-            run_module_scenarios, "tests.data_parallel.bodies_overlap_optimizer", world_size=2, timeout=240
+            run_module_scenarios,
+            "tests.data_parallel.bodies_overlap_optimizer",
+            world_size=2,
+            timeout=240,
         )
     )
 
