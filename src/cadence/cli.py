@@ -271,6 +271,13 @@ def add_train_subcommand(
     )
     p.add_argument("--mixed-precision", choices=["none", "bf16"], default=d.mixed_precision)
     p.add_argument(
+        "--ac",
+        choices=["none", "full", "selective"],
+        default=d.ac,
+        help="activation checkpointing of each block: full keeps only its input and "
+        "recomputes it in backward; selective also keeps its matmul and attention outputs",
+    )
+    p.add_argument(
         "--dp-replicate",
         type=int,
         default=d.dp_replicate,

@@ -82,6 +82,11 @@ REFUSED = [
         "--resume continues the checkpoints in --run-dir and --overwrite deletes them",
     ),
     (dict(collective_timeout=0.0), "--collective-timeout must be a finite number > 0"),
+    (dict(ac="partial"), "--ac must be one of none, full, selective, got 'partial'"),
+    (dict(ac="full", compile=True), "--ac with --compile is not offered"),
+    (dict(ac="full", pp=2, schedule="zb_h1"), "--ac with --schedule zb_h1: its split backward"),
+    (dict(ac="selective", pp=2, schedule="zbv"), "--ac with --schedule zbv: its split backward"),
+    (dict(ac="full", pp=2, schedule="dualpipev"), "--schedule dualpipev: its split backward"),
 ]
 
 

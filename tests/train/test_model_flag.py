@@ -6,7 +6,7 @@ Specification:
   that is not callable, a factory that returns no ``nn.Module``, keyword arguments the
   factory refuses, a spec of another shape; so is ``--model-config`` that is not a
   JSON object or comes without ``--model``, a TinyGPT flag with ``--model``, a model
-  without the block protocol under ``--fsdp`` or ``--pp`` (naming the attribute), a
+  without the block protocol under ``--fsdp``, ``--pp`` or ``--ac`` (naming the attribute), a
   transformers model in a pipeline, and logits narrower than the data's vocabulary;
 - a model without the protocol trains under DataParallel (finite losses that move);
 - ``--model llama`` trains 3 steps under DataParallel and fully_shard (world 2), and
@@ -62,6 +62,10 @@ REFUSED: list[tuple[list[str], tuple[str, ...]]] = [
     (["--model", "llama", "--d-model", "32"], ("--d-model", "--model-config")),
     (["--model", f"{U}:plain", "--fsdp"], ("--fsdp", "cadence_blocks")),
     (["--model", f"{U}:plain", "--pp", "2"], ("--pp", "split_stages", "cadence_stage_parts")),
+    (
+        ["--model", f"{U}:plain", "--ac", "full"],
+        ("--ac full", "declares no blocks", "cadence_blocks"),
+    ),
     (
         ["--model", "llama", "--pp", "2", "--model-config", '{"tie_embeddings": true}'],
         ("tied embeddings",),

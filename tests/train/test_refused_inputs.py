@@ -65,6 +65,9 @@ CLI_CASES: list[tuple[list[str], tuple[str, ...]]] = [
     (["--pp", "2", "--finalize", "manual"], ("--finalize", "manual")),
     (["--mixed-precision", "fp8"], ("--mixed-precision", "fp8")),
     (["--mixed-precision", "bf16"], ("--mixed-precision",)),
+    (["--ac", "partial"], ("--ac", "partial")),
+    (["--ac", "full", "--pp", "2", "--schedule", "zbv"], ("--ac", "zbv", "split backward")),
+    (["--ac", "selective", "--compile"], ("--ac", "--compile")),
     (["--pp", "2", "--schedule", "zz"], ("--schedule", "zz")),
     (["--schedule", "zbv"], ("--schedule",)),
     (

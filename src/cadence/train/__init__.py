@@ -3,6 +3,7 @@
 Modules, one concern each (each importing only those before it):
 
 - ``config``: `TrainConfig` (validated, torch-free) and the `Layout` it implies.
+- ``activation_checkpoint``: ``--ac`` (each declared block's forward checkpointed).
 - ``build``: the model, its data-parallel wrapper, the pipeline, the optimizer,
   gathered in a `TrainState`.
 - ``loop``: `train_step` (one optimizer step, any layout) and `run_loop`.

@@ -3,7 +3,8 @@
 One composition for every layout (see `Layout`):
 
 The model is the embedded TinyGPT, or ``--model``'s (`cadence.train.model_factory`),
-whose blocks (the fully_shard units) and stage cuts come from the block protocol
+whose blocks (the fully_shard units, and what ``--ac`` checkpoints:
+`cadence.train.activation_checkpoint`) and stage cuts come from the block protocol
 (`cadence.models.protocol`).
 
 - ``pp == 1``: the whole model, wrapped with ``DataParallel`` (default) or
@@ -37,6 +38,7 @@ from cadence.pipeline.runtime.build import build_pipeline
 from cadence.pipeline.runtime.executor import PipelineRuntime
 from cadence.pipeline.schedule.generators import placement_for
 from cadence.topology import ParallelGroups, Topology
+from cadence.train.activation_checkpoint import checkpoint_blocks
 from cadence.train.clip import GradClipper
 from cadence.train.config import Layout, TrainConfig
 from cadence.train.data.corpus import corpus_of
@@ -165,6 +167,10 @@ def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)  # same init on every rank
     blocks = frozenset(map(id, model_blocks(model) or ()))
+    if cfg.ac != "none":
+        # Before any wrapper: its hooks then run around each checkpointed forward
+        # (see [Note: checkpointing patches the block's forward]).
+        checkpoint_blocks(model, cfg.ac)
     data = make_data(cfg)
     if layout.pp == 1:
         wrapped = _wrap(model, cfg, layout, pg, log, blocks)  # pp=1 always has a wrapper

@@ -33,6 +33,7 @@ from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule._errors import ScheduleValidationError
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import canonical_name, default_chunks, generate
+from cadence.pipeline.schedule.ir import ActionKind
 from cadence.train._rules import ValueRule, derive_rules, text_problem
 
 __all__ = [
@@ -125,6 +126,10 @@ class TrainConfig:
     of ``cadence.DataParallel``; with ``pp > 1`` each local stage is wrapped."""
     mixed_precision: Literal["none", "bf16"] = "none"
     """``bf16`` computes in bfloat16 with fp32 reductions; needs ``fsdp``."""
+    ac: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing of each block (`cadence.train.activation_checkpoint`):
+    ``full`` keeps only a block's input and recomputes the block in backward;
+    ``selective`` also keeps its matmul and attention outputs."""
     pp: int = 1
     """Pipeline ranks; the world is ``pp x dp``."""
     schedule: str = ""
@@ -224,6 +229,12 @@ class TrainConfig:
         self._check_model_factory()
         if self.mixed_precision != "none" and not self.fsdp:
             raise err("--mixed-precision needs --fsdp (DataParallel keeps fp32 params)")
+        if self.ac != "none" and self.compile:
+            raise err(
+                "--ac with --compile is not offered: with --fsdp precompile compiles each "
+                "block's own forward, which --ac replaces, and in a compiled graph what is "
+                "recomputed is the compiler's choice, not --ac's; drop one of the two"
+            )
         if self.dp_replicate > 1 and not self.fsdp:
             raise err(
                 "--dp-replicate (HSDP) needs --fsdp: DataParallel replicates every rank already"
@@ -444,11 +455,18 @@ class TrainConfig:
         # The generator refuses (p, m, v) it cannot schedule, with the rule it breaks.
         # Every schedule takes data-parallel stages, split (I/W) backwards included.
         try:
-            generate(name, self.pp, m, v)
+            schedule = generate(name, self.pp, m, v)
         except ScheduleValidationError as exc:
             raise ScheduleValidationError(
                 f"--pp {self.pp} --schedule {name} --microbatches {m} --chunks {v}: {exc}"
             ) from exc
+        if self.ac != "none" and any(a.kind is ActionKind.I for r in schedule.ranks for a in r):
+            raise TrainConfigError(
+                f"--ac with --schedule {name}: its split backward runs a block's backward in "
+                "several passes (I, then W), which selective checkpointing refuses and full "
+                "checkpointing pays with a recompute per pass; use gpipe, 1f1b, interleaved "
+                "or looped_bfs, or drop --ac"
+            )
         return Layout(world, self.pp, dp, wrapper, name, m, v, cap)
 
 

@@ -14,7 +14,8 @@
 The model's contract: ``forward(ids)`` takes token ids (B, T) and returns logits
 (B, T, V) with V at least the data's vocabulary (or an object whose ``.logits`` is
 that tensor, as ``transformers`` models return); the loss is cross-entropy. Under
-``--fsdp`` and ``--pp`` it also declares the block protocol (`cadence.models.protocol`).
+``--fsdp``, ``--pp`` and ``--ac`` it also declares the block protocol
+(`cadence.models.protocol`).
 
 `check_model` runs before any rank starts (from the CLI): it imports the factory and
 builds the model on the meta device (no memory), so a factory that cannot be imported,
@@ -148,6 +149,12 @@ def check_model(cfg: TrainConfig) -> None:
             f"{flag}: --fsdp shards one unit per block, but {name} declares no blocks: "
             f"give it {BLOCKS} = 'attribute name of its ModuleList of blocks' (or a method "
             "returning them; see cadence.models.protocol), or train it without --fsdp"
+        )
+    if cfg.ac != "none" and blocks is None:
+        raise TrainConfigError(
+            f"{flag}: --ac {cfg.ac} checkpoints each block, but {name} declares no blocks: "
+            f"give it {BLOCKS} = 'attribute name of its ModuleList of blocks' (or a method "
+            "returning them; see cadence.models.protocol), or drop --ac"
         )
     if layout.pp > 1:
         if cfg.model_factory.startswith("hf:"):
