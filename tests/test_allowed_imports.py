@@ -174,6 +174,7 @@ TORCH_FREE: dict[str, str] = {
     "models/config.py": NEVER,
     "train/__init__.py": ON_CALL,
     "train/config.py": NEVER,  # a config is validated before any rank (or torch) starts
+    "train/_errors.py": NEVER,  # raised by the torch-free config, data and preflight
     "train/_rules.py": NEVER,
     "train/preflight.py": NEVER,
     "train/data/__init__.py": NEVER,

@@ -15,7 +15,7 @@ import pytest
 
 from cadence.cli import _config_file_defaults, build_parser, main
 from cadence.models.config import GPTConfig
-from cadence.train.config import TrainConfigError
+from cadence.train._errors import TrainConfigError
 
 
 @pytest.mark.parametrize(

@@ -46,13 +46,14 @@ from torch.utils._pytree import tree_leaves
 from cadence.models.config import GPTConfig
 from cadence.models.gpt import Block, TinyGPT
 from cadence.testing import run_distributed
+from cadence.train._errors import TrainConfigError
 from cadence.train.activation_checkpoint import (
     AC_ATTR,
     SAVED_OPS,
     checkpoint_blocks,
     checkpoint_module,
 )
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train.config import TrainConfig
 from cadence.train.config_file import read_config_file
 from cadence.train.report import write_config
 from tests.train.bodies_activation_checkpoint import BASE, body_ac, body_resume

@@ -53,7 +53,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from cadence.cli import build_parser
 from cadence.launch import LaunchError
 from cadence.testing import run_distributed
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train._errors import TrainConfigError
+from cadence.train.config import TrainConfig
 from tests.train.bodies_checkpoint import body_train
 from tests.train.conftest import KEY_ENV
 
@@ -248,7 +249,7 @@ def test_a_pickle_in_the_optimizer_state_never_runs(saved, tmp_path) -> None:
 
 def test_a_file_swapped_after_the_check_is_refused_as_dcp_opens_it(saved, tmp_path) -> None:
     from cadence.train._dcp_read import CheckedReader
-    from cadence.train._manifest import ResumeRefusedError
+    from cadence.train._errors import ResumeRefusedError
 
     run = _copy(saved, tmp_path)
     folder = _step(run, 6)

@@ -12,8 +12,9 @@ import pytest
 
 from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule import ScheduleValidationError
+from cadence.train._errors import TrainConfigError
 from cadence.train.build import topology_for
-from cadence.train.config import Layout, TrainConfig, TrainConfigError
+from cadence.train.config import Layout, TrainConfig
 
 
 def test_defaults_resolve_to_data_parallel() -> None:

@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cadence.models.config import GPTConfig
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train._errors import TrainConfigError
+from cadence.train.config import TrainConfig
 from cadence.train.config_file import read_config_file
 from cadence.train.report import write_config
 

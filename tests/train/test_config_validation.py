@@ -29,7 +29,8 @@ import pytest
 
 from cadence.cli import build_parser
 from cadence.models.config import GPTConfig
-from cadence.train.config import MODEL_RULES, RULES, TrainConfig, TrainConfigError, option_name
+from cadence.train._errors import TrainConfigError
+from cadence.train.config import MODEL_RULES, RULES, TrainConfig, option_name
 from cadence.train.config_file import read_config_file
 from cadence.train.preflight import memory_needed, preflight
 

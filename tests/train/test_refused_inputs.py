@@ -23,7 +23,7 @@ import cadence.train.run as run_module
 from cadence.cli import build_parser, main
 from cadence.errors import CadenceError
 from cadence.launch import LaunchError, RankFailure
-from cadence.train.config import TrainConfigError
+from cadence.train._errors import TrainConfigError
 
 # Placeholders in the cases below, filled per test: {file} an existing regular file,
 # {toml} the case's config file, {tmp} the test's own folder.

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from cadence.cli import main
+from cadence.train._errors import TrainConfigError
 from cadence.train.checkpoint import ResumeRefusedError, find_latest
-from cadence.train.config import TrainConfigError
 
 SMALL = ["--nproc", "2", "--batch-size", "8", "--d-model", "16", "--layers", "2"]
 

@@ -24,7 +24,8 @@ import pytest
 
 from cadence.cli import main
 from cadence.models.config import GPTConfig
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train._errors import TrainConfigError
+from cadence.train.config import TrainConfig
 from cadence.train.config_file import read_config_file
 from cadence.train.metrics import flops_per_token, mfu
 from cadence.train.report import write_config

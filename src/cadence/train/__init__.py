@@ -44,6 +44,7 @@ _LAZY = {
 __getattr__ = lazy_getattr("cadence.train", _LAZY, globals())
 
 if TYPE_CHECKING:  # static tools see the eager imports
+    from cadence.train._errors import CollectiveTimeoutError, TrainConfigError
     from cadence.train.build import TrainState, build_state
     from cadence.train.checkpoint import (
         Checkpointer,
@@ -52,9 +53,9 @@ if TYPE_CHECKING:  # static tools see the eager imports
         find_latest,
         load_checkpoint,
     )
-    from cadence.train.config import Layout, TrainConfig, TrainConfigError
+    from cadence.train.config import Layout, TrainConfig
     from cadence.train.history import RunHistory
-    from cadence.train.loop import CollectiveTimeoutError, run_loop, train_step
+    from cadence.train.loop import run_loop, train_step
     from cadence.train.run import run_rank, train
 
 __all__ = [

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 
-from cadence.train._manifest import ResumeRefusedError, open_verified
+from cadence.train._errors import ResumeRefusedError
+from cadence.train._manifest import open_verified
 
 __all__ = ["CheckedReader", "WeightsOnlyPlanner"]
 

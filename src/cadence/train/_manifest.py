@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cadence._owned import make_private_dir, read_or_create_key
-from cadence.errors import CadenceError
+from cadence.train._errors import CheckpointError, ResumeRefusedError
 
 __all__ = [
     "HISTORY",
@@ -63,14 +63,6 @@ _OPT_OUT = (
     "if you vouch for this run directory, resume with --trust-checkpoint (the content "
     "hashes are still checked); else start over with --overwrite"
 )
-
-
-class CheckpointError(CadenceError, RuntimeError):
-    """A checkpoint could not be written."""
-
-
-class ResumeRefusedError(CadenceError, ValueError):
-    """``--resume`` found a checkpoint this run cannot continue from."""
 
 
 def key_path() -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from cadence.train._manifest import CheckpointError, ResumeRefusedError
+from cadence.train._errors import CheckpointError, ResumeRefusedError
 
 __all__ = ["restore_rng", "rng_placeholders", "rng_state_dict"]
 

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from cadence.errors import CadenceValueError
 from cadence.models.protocol import BLOCKS, model_blocks
-from cadence.train.config import TrainConfigError
+from cadence.train._errors import TrainConfigError
 
 __all__ = ["AC_ATTR", "SAVED_OPS", "checkpoint_blocks", "checkpoint_module"]
 

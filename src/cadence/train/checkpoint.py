@@ -97,11 +97,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from cadence.errors import UntrustedPathError
 from cadence.train import lr_schedule
 from cadence.train._dcp_read import CheckedReader, WeightsOnlyPlanner
+from cadence.train._errors import CheckpointError, ResumeRefusedError, TrainConfigError
 from cadence.train._manifest import (
     HISTORY,
     MANIFEST,
-    CheckpointError,
-    ResumeRefusedError,
     entry_size,
     file_entries,
     run_key,
@@ -110,7 +109,7 @@ from cadence.train._manifest import (
 )
 from cadence.train._rng import restore_rng, rng_placeholders, rng_state_dict
 from cadence.train.build import TrainState
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train.config import TrainConfig
 from cadence.train.history import RunHistory
 
 __all__ = [

@@ -28,12 +28,12 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from cadence.errors import CadenceError
 from cadence.models.config import GPTConfig
 from cadence.pipeline.schedule._errors import ScheduleValidationError
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
 from cadence.pipeline.schedule.generators import canonical_name, default_chunks, generate
 from cadence.pipeline.schedule.ir import ActionKind
+from cadence.train._errors import TrainConfigError
 from cadence.train._rules import ValueRule, derive_rules, text_problem
 
 __all__ = [
@@ -51,10 +51,6 @@ Wrapper = Literal["DataParallel", "fully_shard", "none"]
 # Used when --bucket-cap-mb is not given: small buckets, so the tiny model gets
 # several and its all-reduces overlap backward.
 DEFAULT_BUCKET_CAP_MB = 0.25
-
-
-class TrainConfigError(CadenceError, ValueError):
-    """A ``cadence train`` flag (or flag combination) the run cannot honour."""
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,9 @@ from typing import Any
 
 from cadence.errors import CadenceValueError
 from cadence.models.config import GPTConfig
+from cadence.train._errors import TrainConfigError
 from cadence.train._rules import ValueRule, text_problem
-from cadence.train.config import MODEL_RULES, RULES, TrainConfig, TrainConfigError
+from cadence.train.config import MODEL_RULES, RULES, TrainConfig
 
 __all__ = ["config_to_toml", "given_model_keys", "read_config_file"]
 

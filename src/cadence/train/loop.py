@@ -21,6 +21,7 @@ import torch
 from cadence._timing import GradientTiming
 from cadence.comm import Comm, EventLog
 from cadence.errors import CadenceError
+from cadence.train._errors import CollectiveTimeoutError
 from cadence.train.build import TrainState, loss_fn
 
 __all__ = [
@@ -35,10 +36,6 @@ __all__ = [
 # Batches per evaluation when --eval-batches is not given: enough rows that the
 # held-out loss moves less between evaluations than the curve it tracks.
 DEFAULT_EVAL_BATCHES = 4
-
-
-class CollectiveTimeoutError(CadenceError, TimeoutError):
-    """A collective of a step waited longer than ``--collective-timeout`` for its peers."""
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from cadence.train._manifest import CheckpointError
+from cadence.train._errors import CheckpointError
 from cadence.train.config import TrainConfig
 
 __all__ = [

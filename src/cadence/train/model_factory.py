@@ -40,7 +40,8 @@ from cadence.models._errors import BlockProtocolError
 from cadence.models.gpt import TinyGPT
 from cadence.models.hf import HFCausalLM
 from cadence.models.protocol import BLOCKS, PARTS, SPLIT, can_split, model_blocks, split_model
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train._errors import TrainConfigError
+from cadence.train.config import TrainConfig
 
 __all__ = ["build_model", "check_model", "factory_kwargs", "factory_of"]
 

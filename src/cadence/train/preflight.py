@@ -34,7 +34,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train._errors import TrainConfigError
+from cadence.train.config import TrainConfig
 
 __all__ = ["memory_needed", "preflight"]
 

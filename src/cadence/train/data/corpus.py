@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cadence.train.config import TrainConfig, TrainConfigError
+from cadence.train._errors import TrainConfigError
+from cadence.train.config import TrainConfig
 from cadence.train.data.shards import open_shard, shard_max
 from cadence.train.data.stream import TokenStream
 from cadence.train.data.text import (

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cadence.train.config import TrainConfigError
+from cadence.train._errors import TrainConfigError
 
 __all__ = ["DTYPES", "LLMC_HEADER_BYTES", "LLMC_MAGICS", "Shard", "open_shard", "shard_max"]
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from cadence.train.config import TrainConfigError
+from cadence.train._errors import TrainConfigError
 
 __all__ = [
     "BYTE_VOCAB",
