@@ -77,6 +77,16 @@ def run_module_scenarios(module: str, attr: str = "SCENARIOS") -> Outcomes:
     return run_scenarios(getattr(importlib.import_module(module), attr))
 
 
+def launched(module: str, attr: str = "SCENARIOS", *, world_size: int, timeout: float) -> Outcomes:
+    """One launch in which every rank runs ``module.attr``'s scenarios; the merged map."""
+    from cadence.testing import run_distributed
+
+    per_rank = run_distributed(
+        run_module_scenarios, module, attr, world_size=world_size, timeout=timeout
+    )
+    return merged(per_rank)
+
+
 def merged(per_rank: Sequence[Outcomes]) -> Outcomes:
     """One map for all ranks: ``None`` where every rank passed, else each failure's text."""
     out: Outcomes = {}

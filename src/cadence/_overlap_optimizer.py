@@ -50,7 +50,7 @@ from __future__ import annotations
 import itertools
 import types
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
@@ -61,7 +61,7 @@ from cadence.errors import (
     OverlapStepError,
 )
 
-__all__ = ["OverlapStepError", "PartialStepper"]
+__all__ = ["OverlapHandle", "OverlapStepError", "PartialStepper"]
 
 # Exact classes whose step updates each parameter from its own gradient and state.
 _PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
@@ -379,3 +379,19 @@ class PartialStepper:
             else:
                 del opt.step
         self._installed = None
+
+
+class _StepperOwner(Protocol):
+    def remove(self, stepper: PartialStepper) -> None: ...
+
+
+class OverlapHandle:
+    """Returned by ``overlap_optimizer`` (DataParallel's and fully_shard's);
+    ``remove()`` gives ``opt.step`` back."""
+
+    def __init__(self, owner: _StepperOwner, stepper: PartialStepper) -> None:
+        self._owner = owner
+        self._stepper = stepper
+
+    def remove(self) -> None:
+        self._owner.remove(self._stepper)

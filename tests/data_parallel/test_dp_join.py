@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.testing import run_distributed
-from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
+from tests._scenarios import Outcomes, check, launched, names
 from tests.data_parallel.bodies_join import HOOKS, PARITY, SCENARIOS
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> Outcomes:
-    return merged(
-        run_distributed(
-            run_module_scenarios, "tests.data_parallel.bodies_join", world_size=3, timeout=120
-        )
-    )
+    return launched("tests.data_parallel.bodies_join", world_size=3, timeout=120)
 
 
 def test_parity_grids() -> None:

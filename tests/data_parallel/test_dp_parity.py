@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.testing import run_distributed
-from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
+from tests._scenarios import Outcomes, check, launched, names
 from tests.data_parallel.bodies_parity import OTHER_WORLDS, SCENARIOS
 
 
@@ -20,14 +19,8 @@ def test_parity_world2(world2: dict[str, Outcomes], name: str) -> None:
 
 @pytest.fixture(scope="module", params=[1, 3, 4], ids=lambda w: f"world{w}")
 def other_world(request: pytest.FixtureRequest) -> Outcomes:
-    return merged(
-        run_distributed(
-            run_module_scenarios,
-            "tests.data_parallel.bodies_parity",
-            "OTHER_WORLDS",
-            world_size=request.param,
-            timeout=150,
-        )
+    return launched(
+        "tests.data_parallel.bodies_parity", "OTHER_WORLDS", world_size=request.param, timeout=150
     )
 
 

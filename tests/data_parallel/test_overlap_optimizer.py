@@ -21,21 +21,13 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.testing import run_distributed
-from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
+from tests._scenarios import Outcomes, check, launched, names
 from tests.data_parallel.bodies_overlap_optimizer import SCENARIOS
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> Outcomes:
-    return merged(
-        run_distributed(
-            run_module_scenarios,
-            "tests.data_parallel.bodies_overlap_optimizer",
-            world_size=2,
-            timeout=240,
-        )
-    )
+    return launched("tests.data_parallel.bodies_overlap_optimizer", world_size=2, timeout=240)
 
 
 @pytest.mark.parametrize("name", names(SCENARIOS))

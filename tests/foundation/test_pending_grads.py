@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from cadence.testing import run_distributed
-from tests._scenarios import Outcomes, check, merged, names, run_module_scenarios
+from tests._scenarios import Outcomes, check, launched, names
 from tests.foundation.bodies_pending_grads import SCENARIOS
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> Outcomes:
-    return merged(
-        run_distributed(
-            run_module_scenarios,
-            "tests.foundation.bodies_pending_grads",
-            world_size=2,
-            timeout=120,
-        )
-    )
+    return launched("tests.foundation.bodies_pending_grads", world_size=2, timeout=120)
 
 
 @pytest.mark.parametrize("name", names(SCENARIOS))

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cadence import _autograd
-from cadence._overlap_optimizer import PartialStepper
+from cadence._overlap_optimizer import OverlapHandle, PartialStepper
 from cadence.data_parallel._errors import DataParallelError
 
 if TYPE_CHECKING:
@@ -44,17 +44,6 @@ if TYPE_CHECKING:
     from cadence.data_parallel._reducer import Reducer
 
 __all__ = ["OverlapHandle", "OverlapOptimizer", "OverlappedOptimizers"]
-
-
-class OverlapHandle:
-    """Returned by `DataParallel.overlap_optimizer`; ``remove()`` gives ``opt.step`` back."""
-
-    def __init__(self, owner: OverlappedOptimizers, stepper: PartialStepper) -> None:
-        self._owner = owner
-        self._stepper = stepper
-
-    def remove(self) -> None:
-        self._owner.remove(self._stepper)
 
 
 class OverlappedOptimizers:
