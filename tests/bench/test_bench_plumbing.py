@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from cadence.bench import run_bench, write_docs
-from cadence.bench.report import PRIMARY_TORCH, history, latest_records, render, torch_release
+from cadence.bench.report import (
+    HAND_WRITTEN,
+    PRIMARY_TORCH,
+    history,
+    latest_records,
+    render,
+    torch_release,
+)
 from cadence.cli import build_parser, main
 from cadence.errors import CadenceValueError
 
@@ -88,7 +95,10 @@ def test_step_record(tmp_path: Path) -> None:
     variants = {"plain", "cadence", "cadence_sync", "torch", "torch_b"}
     for row in record["rows"]:
         assert set(row["abs_ms"]) == variants
-        assert set(row["extra"]) == {"limit_cadence", "limit_cadence_sync", "limit_torch"}
+        limits = {"limit_cadence", "limit_cadence_sync", "limit_torch"}
+        busy = {"busy_plain", "busy_cadence", "busy_torch", "cpu_ratio"}
+        assert set(row["extra"]) == limits | busy
+        assert all(row["extra"][k] > 0 for k in busy)
         assert row["ratio"]["n"] == 2
         # The variants train the same model: one loss from the same weights, then after
         # one update every data-parallel variant agrees (plain averages no gradient).
@@ -212,32 +222,40 @@ def test_cli_refuses_options_that_do_not_apply(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # refused before anything ran or was written
 
 
-def test_records_on_the_primary_torch_win_and_older_ones_are_history(tmp_path: Path) -> None:
-    def write(name: str, torch: str, created: str) -> None:
-        record = {
-            "version": 1,
-            "kind": "dp",
-            "quick": False,
-            "tiny": False,
-            "created": created,
-            "machine": {"cpu_count": 2, "loadavg": [1, 1, 1], "loadavg_before": [1, 1, 1]},
-            "settings": {},
-            "rows": [
-                {
-                    "case": "mlp",
-                    "metric": "step time",
-                    "target": 0.95,
-                    "ratio": dict.fromkeys(
-                        SUMMARY_KEYS, 0.5 if torch.startswith(PRIMARY_TORCH) else 0.9
-                    ),
-                }
-            ],
-        }
-        record["machine"]["torch"] = torch
-        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+def _fake_record(folder: Path, name: str, torch: str, created: str, kind: str = "dp") -> None:
+    """A full record of ``kind`` with one targeted row (median 0.5 on the primary torch,
+    0.9 on another), as a real run writes it."""
+    record = {
+        "version": 1,
+        "kind": kind,
+        "quick": False,
+        "tiny": False,
+        "created": created,
+        "machine": {
+            "cpu_count": 2,
+            "loadavg": [1, 1, 1],
+            "loadavg_before": [1, 1, 1],
+            "torch": torch,
+        },
+        "settings": {},
+        "rows": [
+            {
+                "case": "mlp",
+                "metric": "step time",
+                "target": 0.95,
+                "ratio": dict.fromkeys(
+                    SUMMARY_KEYS, 0.5 if torch.startswith(PRIMARY_TORCH) else 0.9
+                ),
+            }
+        ],
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(record))
 
-    write("dp-old", "2.13.0+cpu", "2026-01-02T00:00:00Z")
-    write("dp-primary", f"{PRIMARY_TORCH}.0+cu132", "2026-01-01T00:00:00Z")
+
+def test_records_on_the_primary_torch_win_and_older_ones_are_history(tmp_path: Path) -> None:
+    _fake_record(tmp_path, "dp-old", "2.13.0+cpu", "2026-01-02T00:00:00Z")
+    _fake_record(tmp_path, "dp-primary", f"{PRIMARY_TORCH}.0+cu132", "2026-01-01T00:00:00Z")
     # Newer, but on an older torch: the page still shows the primary torch's record.
     assert latest_records(tmp_path)["dp"]["machine"]["torch"].startswith(PRIMARY_TORCH)
     assert [torch_release(r) for r in history(tmp_path)] == ["2.13"]
@@ -245,3 +263,27 @@ def test_records_on_the_primary_torch_win_and_older_ones_are_history(tmp_path: P
     current, earlier = page.split(f"## Earlier records (torch other than {PRIMARY_TORCH})")
     assert f"torch {PRIMARY_TORCH}.0+cu132" in current and "2.13.0+cpu" not in current
     assert "| dp | 2026-01-02T00:00:00Z | 2.13.0+cpu | mlp, step time: 0.90 (<= 0.95) |" in earlier
+
+
+def test_a_fresh_clone_reruns_one_kind_and_keeps_the_others_and_the_prose(
+    tmp_path: Path,
+) -> None:
+    """The page's cited records are read as well as the results folder (a fresh clone has
+    an empty one), and its hand-written part survives regeneration unchanged."""
+    docs, results = tmp_path / "docs", tmp_path / "results"
+    primary = f"{PRIMARY_TORCH}.0+cu132"
+    _fake_record(docs / "records", "dp-cited", primary, "2026-01-01T00:00:00Z")
+    _fake_record(docs / "records", "pp-cited", primary, "2026-01-01T00:00:00Z", kind="pp")
+    prose = f"{HAND_WRITTEN}\n\n## Where the time goes (profiles)\n\nWritten by a person.\n"
+    (docs / "benchmarks.md").write_text("an old generated part\n\n" + prose)
+    _fake_record(results, "dp-new", primary, "2026-02-01T00:00:00Z")  # one kind rerun
+
+    page = write_docs(results, docs / "benchmarks.md").read_text()
+
+    assert latest_records(results, docs / "records")["dp"]["created"] == "2026-02-01T00:00:00Z"
+    assert "an old generated part" not in page
+    assert page.endswith(prose)  # kept byte for byte, after the generated part
+    assert "No record yet: run `cadence bench pp`." not in page  # pp's figures still shown
+    assert sorted(p.name for p in (docs / "records").iterdir()) == ["dp-new.json", "pp-cited.json"]
+    # Regenerating again changes nothing.
+    assert write_docs(results, docs / "benchmarks.md").read_text() == page

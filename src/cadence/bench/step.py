@@ -52,7 +52,9 @@ Cases:
   stages: the pipeline with the data-parallel reduction removed (target <= 0.90).
 
 Reported per case: step time ratio and A/A, in ``extra`` each variant's step time as a
-multiple of ``plain`` (``limit_*``: 1.00 would mean communication fully hidden), and in
+multiple of ``plain`` (``limit_*``: 1.00 would mean communication fully hidden), how
+many cores each variant keeps busy and cadence's CPU time over torch's (see [Note:
+where a step's time goes on a CPU machine]), and in
 ``losses`` each variant's training loss at its first two steps on one rank (the rank of
 a replica's last stage, for the pipeline): the first from the same weights, so equal
 in every variant, the second after one update, where every data-parallel variant
@@ -517,10 +519,35 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[
     out: dict[str, Any] = {}
     for name, spec in cases.items():
         steps, losses = _BUILDERS[spec["kind"]](spec, rank, device)
-        times = interleave(steps, warmup=warmup, reps=reps)
-        out[name] = {"times": times, "losses": losses.floats()}
+        cpu: dict[str, list[float]] = {}
+        times = interleave(steps, warmup=warmup, reps=reps, cpu=cpu)
+        out[name] = {"times": times, "cpu": cpu, "losses": losses.floats()}
         del steps, losses
     return out
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+# [Note: where a step's time goes on a CPU machine]
+# Work placed "during" communication is faster only if the communication leaves a core
+# idle. On gloo over loopback a reduction is CPU work itself (copies and sums on gloo's
+# threads), so the figure that says whether overlap can pay is how busy the cores are:
+# the CPU seconds of every rank (all threads) per wall second of the step. Near the
+# core count, the machine is saturated and a step takes as long as its total CPU work,
+# wherever that work sits; then the CPU-time ratio, not the overlap, decides the wall
+# ratio. Well under it, waiting is exposed and overlap can hide it.
+def _cpu_figures(per_rank: list[dict[str, Any]], wall: dict[str, list[float]]) -> dict[str, float]:
+    """``busy_*``: cores busy per variant (all ranks' CPU seconds / the slowest rank's
+    wall seconds, medians); ``cpu_ratio``: cadence's CPU time over torch's."""
+    cpu = {
+        k: [sum(c) for c in zip(*(r["cpu"][k] for r in per_rank), strict=True)]
+        for k in ("plain", "cadence", "torch")
+    }
+    figures = {f"busy_{k}": _median(cpu[k]) / _median(wall[k]) for k in cpu}
+    figures["cpu_ratio"] = _median(cpu["cadence"]) / _median(cpu["torch"])
+    return figures
 
 
 def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
@@ -542,11 +569,9 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
     rows = []
     for name, spec in cases.items():
         t = {k: slowest_per_rep([r["times"] for r in results[name]], k) for k in VARIANTS}
-        plain = sorted(t["plain"])[len(t["plain"]) // 2]
-        extra = {
-            f"limit_{k}": sorted(t[k])[len(t[k]) // 2] / plain
-            for k in ("cadence", "cadence_sync", "torch")
-        }
+        plain = _median(t["plain"])
+        extra = {f"limit_{k}": _median(t[k]) / plain for k in ("cadence", "cadence_sync", "torch")}
+        extra.update(_cpu_figures(results[name], t))
         row = timed_row(name, t, mine="cadence", ref="torch", ref_b="torch_b",
                         target=spec["target"], what=spec["what"], extra=extra)  # fmt: skip
         # The first rank that computed a loss in every variant (a pipeline's first

@@ -368,7 +368,7 @@ class Reducer:
                 present.append((v, p, g))
         if scale:
             # One pass per gradient: scale straight into the bucket (copy-then-divide
-            # reads and writes the bucket twice; see docs/bench_dp.md).
+            # reads and writes the bucket twice; docs/benchmarks.md, "Where the time goes").
             # A true divide, not a multiply by 1/world: it rounds as torch DDP does.
             world = self._divide_by()
             for v, _, g in present:

@@ -292,7 +292,8 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
     def set_collective_algorithms(self, algorithms: CollectiveAlgorithms) -> None:
         """How bucket all-reduces run on gloo (default: gloo's own, as DDP; NCCL always
         its own). Exchange is opt-in: above world 2 it moves more bytes, and it measured
-        slower inside a step (docs/bench_profile.md). Call on every rank, between steps.
+        slower inside a step (docs/benchmarks.md, "Where the time goes"). Call on every
+        rank, between steps.
         """
         check_algorithms(algorithms, "DataParallel")
         why = "every rank must switch between the same two collectives."
