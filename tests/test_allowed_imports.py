@@ -52,7 +52,7 @@ _FOUNDATION_FOR_WRAPPERS = {
     "_exchange.py",  # check_algorithms: the wrappers validate set_collective_algorithms
     "_timing.py",
     "comm.py",
-    "topology.py",
+    "_dp_layout.py",  # what group= means (topology.py only through it)
 }
 
 ROOMS: dict[str, set[str]] = {
@@ -88,6 +88,7 @@ ROOMS: dict[str, set[str]] = {
     "_overlap_optimizer.py": {"errors.py"},
     "_torch_timing.py": {"errors.py", "_autograd.py", "_timing.py", "comm.py"},
     "topology.py": {"errors.py"},
+    "_dp_layout.py": {"errors.py", "topology.py"},
     "_dist_init.py": {"errors.py", "topology.py"},
     "launch.py": {"errors.py", "_job_secret.py", "pickling/"},
     "_worker.py": {"__init__.py"},  # cadence.init() in a launched rank
@@ -201,7 +202,8 @@ DIST_USERS: dict[str, tuple[set[str], str]] = {
     "comm.py": ({DIST}, "the collective adapter: collectives and point-to-point messages"),
     "_exchange.py": ({DIST}, "Comm's exchange collectives: messages posted from its threads"),
     "_dist_init.py": ({DIST}, "cadence.init: init_process_group and its rendezvous store"),
-    "topology.py": ({DIST, MESH, DTENSOR}, "creates the parallel axes' groups and mesh"),
+    "topology.py": ({DIST, MESH}, "creates the parallel axes' groups and mesh"),
+    "_dp_layout.py": ({DIST, MESH, DTENSOR}, "group= as groups and a mesh; DTensor placements"),
     "_worker.py": ({DIST}, "a launched rank destroys its default group at the end"),
     "_pending_grad.py": ({DTENSOR}, "placeholder gradients of DTensor parameters"),
     "_torch_timing.py": ({FSDP2}, "recognises torch's FSDP2 modules"),

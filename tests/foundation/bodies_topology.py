@@ -19,8 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import cadence
+from cadence._dp_layout import DataParallelLayout
 from cadence.testing import max_abs_diff, run_subtests
-from cadence.topology import DataParallelLayout
 
 __all__ = ["FORMS", "WRAPPERS", "group_meaning", "topology_groups"]
 

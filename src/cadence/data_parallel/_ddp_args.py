@@ -56,8 +56,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from cadence._dp_layout import DataParallelGroup
 from cadence.errors import CadenceTypeError, CadenceValueError
-from cadence.topology import DataParallelGroup
 
 __all__ = ["DDPPlan", "resolve_ddp_args"]
 

@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
+from cadence._dp_layout import DataParallelGroup, DataParallelLayout
 from cadence._exchange import check_algorithms
 from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, Comm, EventLog, ReductionHandle
@@ -32,7 +33,6 @@ from cadence.data_parallel._replica import Replica, wrapped_parameters
 from cadence.data_parallel._sink import Sink, used_params
 from cadence.errors import CadenceValueError
 from cadence.fsdp._materialize import conversion_name
-from cadence.topology import DataParallelGroup, DataParallelLayout
 
 __all__ = ["DataParallel"]
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from cadence import _autograd
+from cadence._dp_layout import DataParallelGroup, DataParallelLayout
 from cadence._exchange import check_algorithms
 from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, EventLog, ReductionHandle
@@ -26,7 +27,6 @@ from cadence.fsdp._overlap import OverlapOptimizer
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
 from cadence.fsdp._root_runtime import RootRuntime
 from cadence.fsdp._unit import ShardedState, Unit
-from cadence.topology import DataParallelGroup, DataParallelLayout
 
 __all__ = ["FullyShardedModule", "UnshardHandle", "fully_shard"]
 

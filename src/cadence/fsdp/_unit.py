@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from cadence._dp_layout import DataParallelLayout
 from cadence.comm import CollectiveAlgorithms, Comm, CommWork, EventLog
 from cadence.errors import CadenceValueError
 from cadence.fsdp._api import MixedPrecisionPolicy
@@ -20,7 +21,6 @@ from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._materialize import plan_reseat, replaced, seat
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
 from cadence.fsdp._streams import StreamSet
-from cadence.topology import DataParallelLayout
 
 __all__ = ["AllGatherState", "PendingReduction", "ShardedState", "Unit"]
 
