@@ -72,7 +72,7 @@ REFUSED: list[tuple[list[str], tuple[str, ...]]] = [
     ),
     (["--model", "hf:LlamaForCausalLM", "--pp", "2"], ("pipelines are not offered",)),
     (["--model", f"{U}:narrow"], ("logits cover 8 token ids", "the data has 64")),
-    (["--model", "llama", "--compile"], ("--compile",)),
+    (["--model", f"{U}:plain", "--compile"], ("--compile", "TinyGPT, --model llama")),
 ]
 
 

@@ -15,6 +15,11 @@ root forward would have to run the blocks' all-gathers inside its graph, which
 precompile refuses. So each block's forward is compiled instead (the blocks share one
 architecture, so the later ones load the first one's artifact from the cache), and the
 root's own forward (embedding, head) stays eager, like every fully_shard hook.
+
+The embedded models only (TinyGPT, and ``--model llama``): a block's example input is
+built from what their blocks take, one (B, T, D) activation. A ``transformers`` or
+user block takes more than the block protocol describes (positions, masks), so
+``--compile`` is refused for those before any rank starts.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from cadence.models.gpt import Block
+from cadence.models.llama import LlamaBlock, LlamaConfig
 from cadence.pipeline.runtime.stage import TensorMeta
 from cadence.precompile import precompile_module
 from cadence.train.build import TrainState
@@ -42,20 +48,31 @@ def _inner(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module)
 
 
+# The embedded models' blocks: each takes one (B, T, D) activation and returns one.
+_BLOCKS = (Block, LlamaBlock)
+
+
+def _width(cfg: TrainConfig) -> int:
+    """D, the width of the activations between blocks."""
+    if cfg.model_factory == "llama":
+        return LlamaConfig(**cfg.model_config).dim
+    return cfg.model.d_model
+
+
 def _activations(cfg: TrainConfig, rows: int) -> torch.Tensor:
     """A block's input as the step gives it: (rows, T, D), requiring grad.
 
     fp32 also under ``--mixed-precision bf16``: precompile_module casts it as the
     block's fully_shard policy casts forward inputs.
     """
-    return torch.zeros(rows, cfg.model.seq_len, cfg.model.d_model).requires_grad_()
+    return torch.zeros(rows, cfg.model.seq_len, _width(cfg)).requires_grad_()
 
 
 def _targets(
     cfg: TrainConfig, wrapper: str, module: nn.Module, example: torch.Tensor
 ) -> list[tuple[nn.Module, torch.Tensor]]:
     """What to compile for one wrapped module: itself, or with ``--fsdp`` its blocks."""
-    blocks = [m for m in module.modules() if isinstance(m, Block)]
+    blocks = [m for m in module.modules() if isinstance(m, _BLOCKS)]
     if wrapper != "fully_shard" or not blocks:
         return [(module, example)]
     return [(block, _activations(cfg, example.shape[0])) for block in blocks]

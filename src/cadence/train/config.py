@@ -328,10 +328,10 @@ class TrainConfig:
                 f"{', '.join(shaped)} shape the embedded TinyGPT, not --model {spec}: give "
                 "the model's own keyword arguments in --model-config (or [train.model_config])"
             )
-        if self.compile:
+        if self.compile and spec != "llama":
             raise err(
-                f"--compile precompiles the embedded TinyGPT's blocks only: drop it for "
-                f"--model {spec}"
+                f"--compile precompiles the embedded models' blocks only (TinyGPT, --model "
+                f"llama), whose inputs it knows: drop it for --model {spec}"
             )
 
     def _check_checkpointing(self) -> None:
