@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cadence.errors import CadenceRuntimeError, CadenceValueError
 
-__all__ = ["Coords", "ParallelGroups", "Topology", "group_device"]
+__all__ = ["Coords", "ParallelGroups", "Topology", "can_split", "group_device"]
 
 
 class Coords(NamedTuple):
@@ -157,7 +157,7 @@ class Topology:
     # every group of every axis, members or not, so a layout costs W + W/p + ... calls
     # per rank, and on NCCL with a bound device each call is a world-wide communicator
     # split (members split, the others post a no-colour split). Where the default
-    # group's backend can split (`_can_split`: NCCL with a bound device; gloo from torch
+    # group's backend can split (`can_split`: NCCL with a bound device; gloo from torch
     # 2.15), one ``split_group`` per axis creates all of that axis's groups at once:
     # at most four world collectives per build, whatever W. Elsewhere (gloo on torch
     # 2.13, where a group is made by store rendezvous and a non-member's call costs
@@ -177,7 +177,7 @@ class Topology:
             )
         self.validate(dist.get_world_size())
         rank = dist.get_rank()
-        split = backend is None and _can_split()
+        split = backend is None and can_split()
         made: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
         mine: dict[str, dist.ProcessGroup] = {}
         for dim in ("pp", "dp_replicate", "dp_shard", "dp"):
@@ -200,7 +200,7 @@ class Topology:
         )
 
 
-def _can_split() -> bool:
+def can_split() -> bool:
     """Whether ``split_group`` can split the default group here (see
     [Note: groups by split, flat in the world]): its backend says it supports splitting,
     and torch does not refuse a split of an unbound default group (torch 2.13 does)."""

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import cadence
-from cadence.topology import _can_split
+from cadence.topology import can_split
 
 
 def build_counting(dp_replicate: int, dp_shard: int, pp: int) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def build_counting(dp_replicate: int, dp_shard: int, pp: int) -> dict[str, Any]:
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    out: dict[str, Any] = {"calls": calls, "can_split": _can_split()}
+    out: dict[str, Any] = {"calls": calls, "can_split": can_split()}
     for name in ("pp", "dp_replicate", "dp_shard", "dp"):
         group = getattr(groups, name)
         t = torch.tensor([float(groups.rank)])

@@ -11,6 +11,8 @@ from cadence.models import GPTConfig, MarkovTokens, TinyGPT
 from cadence.pipeline.runtime import build_pipeline
 from cadence.pipeline.schedule import ActionKind, Payload, placement_for
 from cadence.testing import max_abs_diff, named_grads, run_subtests
+from cadence.topology import can_split
+from tests.pipeline.runtime._group_spy import spy_groups
 
 # (name, chunks): the schedule families; DualPipeV needs m >= 2p, so m = 2p for all.
 SCHEDULES = [
@@ -51,15 +53,7 @@ def mode_case(name: str, v: int, pg: cadence.ParallelGroups | None) -> dict:
     for mode in MODES:
         chunks = _model(n).split_stages(n)
         log = EventLog()
-        created: list[tuple[int, ...]] = []
-        real = dist.new_group
-
-        def spy(*a, _created=created, _real=real, **k):
-            _created.append(tuple(k.get("ranks", a[0] if a else ())))
-            return _real(*a, **k)
-
-        dist.new_group = spy
-        try:
+        with spy_groups() as spy:
             rt = build_pipeline(
                 name,
                 chunks,
@@ -70,15 +64,13 @@ def mode_case(name: str, v: int, pg: cadence.ParallelGroups | None) -> dict:
                 event_log=log,
                 channel_mode=mode,  # type: ignore[arg-type]
             )
-        finally:
-            dist.new_group = real
         log.clear()  # one step's traffic, not the preconnect
         losses: list = []
         rt.step(x, target=y, losses=losses)
         runs[mode] = (_grads(chunks, mine), [float(t) for t in losses])
         if mode != "per_direction":
             continue
-        out["created"] = created
+        out["created"], out["calls"], out["can_split"] = spy.groups, spy.calls, can_split()
         # the communicator of every SEND/RECV: one group per payload, over the pp group
         routed = {
             a.payload: rt._route[a][0].group
@@ -122,10 +114,14 @@ def check_mode_rows(rows: dict[str, dict], pp_groups: list[tuple[int, ...]]) -> 
     """Problems in one rank's per-schedule rows (shared with the world-2 test)."""
     problems = []
     p = len(pp_groups[0])
-    fresh = [g for pp in pp_groups for g in (pp, pp)]  # fwd then bwd, per pp group
+    fresh = sorted(g for pp in pp_groups for g in (pp, pp))  # fwd and bwd, per pp group
+    first = next(iter(rows.values()))
+    # One split per direction where the backend splits, else a new_group per group.
+    calls = ["split_group"] * 2 if first["can_split"] else ["new_group"] * len(fresh)
     for case, r in rows.items():
-        if r["created"] not in ([], fresh):
-            problems.append(f"{case}: created {r['created']}, expected {fresh} (or cached)")
+        made = (sorted(r["created"]), r["calls"])
+        if made not in (([], []), (fresh, calls)):
+            problems.append(f"{case}: created {made}, expected {(fresh, calls)} (or cached)")
         if r["distinct_groups"] != 2 or r["group_sizes"] != [p, p]:
             problems.append(f"{case}: routes over {r['distinct_groups']} groups {r}")
         if not r["events_match_plan"] or r["n_p2p"] == 0:
@@ -134,6 +130,6 @@ def check_mode_rows(rows: dict[str, dict], pp_groups: list[tuple[int, ...]]) -> 
             problems.append(f"{case}: grads {r['grad_vs_edge']:.2e} {r['grad_vs_ref']:.2e}")
         if r["loss_vs_edge"] > TOL:
             problems.append(f"{case}: losses differ by {r['loss_vs_edge']:.2e}")
-    if next(iter(rows.values()))["created"] != fresh:  # the first build creates them
-        problems.append(f"first case created {next(iter(rows.values()))['created']}")
+    if (sorted(first["created"]), first["calls"]) != (fresh, calls):  # the first build makes them
+        problems.append(f"first case created {first['created']} by {first['calls']}")
     return problems

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from cadence import EventLog
 from cadence.pipeline.runtime import PlanMismatchError, build_channel_groups
 from cadence.pipeline.schedule import ChannelPlan
+from cadence.topology import can_split
+from tests.pipeline.runtime._group_spy import spy_groups
 
 LOOP4 = [(0, 1), (1, 2), (2, 3), (3, 0), (1, 0), (2, 1), (3, 2), (0, 3)]
 
@@ -18,27 +20,23 @@ def body_groups(seed: int):
     rank = dist.get_rank()
     chans = LOOP4[:]
     random.Random(seed + rank).shuffle(chans)  # a different input order on every rank
-    calls = []
-    real = dist.new_group
-
-    def spy(*a, **k):
-        calls.append(tuple(k.get("ranks", a[0] if a else ())))
-        return real(*a, **k)
-
-    dist.new_group = spy
-    try:
+    with spy_groups() as spy:
         log = EventLog()
         plan = ChannelPlan.build(chans, placement=(0, 1, 2, 3))
         cg = build_channel_groups(plan, pp_ranks=[0, 1, 2, 3], event_log=log)
         # a second build with the same plan hits the cache: no new group, no preconnect
-        n = len(calls)
+        n = len(spy.calls)
         again = ChannelPlan.build(chans[::-1], placement=(0, 1, 2, 3))
         build_channel_groups(again, pp_ranks=[0, 1, 2, 3])
-        assert len(calls) == n
-    finally:
-        dist.new_group = real
+        assert len(spy.calls) == n
     p2p = sorted((e.kind, e.group) for e in log.collectives() if e.kind in ("send", "recv"))
-    return calls, sorted({ch for ch, _ in cg.groups}), p2p
+    return {
+        "spy": spy,
+        "can_split": can_split(),
+        "rounds": len(plan.rounds),
+        "mine": sorted({ch for ch, _ in cg.groups}),
+        "p2p": p2p,
+    }
 
 
 def body_diverge():

@@ -38,13 +38,17 @@ With data parallelism there are several pp groups (pp=2 x dp=2 at world 4 has
 creates the channel groups of every pp group, in one canonical order (pp groups
 sorted, then channels in round order), and keeps only its own.
 
-On gloo one ``new_group(ranks=[a, b])`` per directed edge (``split_group`` is
-NCCL-only in torch 2.13). On NCCL one ``split_group`` per disjoint round, each
-round's pairs covering all pp groups at once, since a rank appears in at most one
-pair per round. Per direction: on gloo ``new_group(ranks=pp)`` for the forward and
-then the backward group of each pp group in turn; on NCCL one ``split_group`` per
-direction whose splits are all the pp groups (they are disjoint). The NCCL paths
-are written to upstream's algorithm and are only exercised where a GPU exists.
+Where the default group's backend can split (`cadence.topology.can_split`: NCCL
+with a bound device, gloo from torch 2.15), one ``split_group`` per disjoint round,
+each round's pairs covering all pp groups at once, since a rank appears in at most
+one pair per round: the world collectives of a build are the plan's rounds, whatever
+the number of pp groups (data-parallel replicas). Per direction: one ``split_group``
+per direction whose splits are all the pp groups (they are disjoint). Elsewhere
+(gloo on torch 2.13, where a group is a store rendezvous and a non-member's call
+costs microseconds) one ``new_group(ranks=[a, b])`` per directed edge of every pp
+group, and per direction ``new_group(ranks=pp)`` for the forward and then the
+backward group of each pp group in turn. The NCCL paths follow upstream's algorithm
+and are only exercised where a GPU exists; the gloo split runs on the 2.15 lane.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from cadence.comm import Comm, EventLog
 from cadence.pipeline.runtime.errors import PlanMismatchError
 from cadence.pipeline.schedule.channels import ChannelPlan, describe_plan_difference
 from cadence.pipeline.schedule.ir import Payload
+from cadence.topology import can_split
 
 __all__ = ["ChannelGroups", "ChannelMode", "PlanMismatchError", "build_channel_groups"]
 
@@ -318,7 +323,7 @@ def _create(
             if me in pair:
                 out[(pair, payload)] = pick(pair, payload)
 
-    nccl = "nccl" in backend and hasattr(dist, "split_group")
+    split = can_split()
     if plan.mode == "shared":
         # One communicator for everything: the pp group itself (a baseline to compare).
         group = pp_group if pp_group is not None else dist.group.WORLD
@@ -330,7 +335,7 @@ def _create(
         # Two groups per pp group over all of its ranks (see [Note: per-direction
         # communicators]); every rank creates every pp group's, in the same order.
         mine: dict[Payload, dist.ProcessGroup] = {}
-        if nccl:
+        if split:
             # The pp groups are disjoint, so one split per direction covers them all.
             for name, payload in _DIRECTIONS:
                 child = dist.split_group(
@@ -352,12 +357,12 @@ def _create(
             keep(pp, lambda pair, p: mine[p])
         return out
     by_pair: dict[Channel, dist.ProcessGroup] = {}
-    if nccl:
+    if split:
         for i, rnd in enumerate(plan.rounds):
-            split = [sorted((pp[a], pp[b])) for pp in pp_groups for a, b in rnd]
-            child = dist.split_group(split_ranks=split, group_desc=f"cadence_pp_round_{i}")
-            if child is None:
-                continue
+            pairs = [sorted((pp[a], pp[b])) for pp in pp_groups for a, b in rnd]
+            child = dist.split_group(split_ranks=pairs, group_desc=f"cadence_pp_round_{i}")
+            if child is None or me not in {r for pair in pairs for r in pair}:
+                continue  # not in this round (torch 2.13 gives None, 2.15 NON_GROUP_MEMBER)
             for pp in pp_groups:
                 for a, b in rnd:
                     pair = (pp[a], pp[b])
