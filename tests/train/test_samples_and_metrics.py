@@ -7,6 +7,8 @@ Specification:
   ``<run_dir>/samples.txt``;
 - the FLOPs' ``N`` is the whole model's parameters outside the embedding tables,
   whatever the layout (fully_shard shards and pipeline stages count whole);
+- the attention term's L and d are the trained model's own (TinyGPT's, the embedded
+  Llama's, a transformers config's); a factory model's is left out and said to be;
 - each rank's peak memory reaches rank 0 (the others get None); ``metrics.json``'s
   summary holds tokens/s, FLOPs per token, MFU (with ``--peak-flops``) and the memory
   of every rank, and the printed table shows them.
@@ -90,3 +92,51 @@ def test_train_saves_samples_and_summary(
     assert len(summary["peak_memory_mib_per_rank"]) == 2
     for row in ("FLOPs/token", "MFU", "peak memory"):
         assert row in printed
+
+
+@pytest.mark.parametrize(
+    ("flags", "shape"),
+    [
+        ({"model": GPTConfig(d_model=16, n_layers=2)}, (2, 16)),
+        ({"model_factory": "llama", "model_config": {"dim": 32, "n_layers": 3}}, (3, 32)),
+        (
+            {
+                "model_factory": "hf:LlamaForCausalLM",
+                "model_config": {
+                    "hidden_size": 48,
+                    "num_hidden_layers": 5,
+                    "num_attention_heads": 4,
+                },
+            },
+            (5, 48),
+        ),
+        ({"model_factory": "tests.train.user_models:plain"}, None),
+    ],
+    ids=["tinygpt", "llama", "hf", "factory"],
+)
+def test_the_attention_term_uses_the_trained_models_own_layers_and_width(
+    flags: dict[str, Any], shape: tuple[int, int] | None
+) -> None:
+    """L and d of 12LdT are the trained model's, never TinyGPT's defaults for a --model;
+    a factory model, which does not say, gets no attention term, and the summary says so."""
+    from cadence.train.metrics import attention_shape
+    from cadence.train.report import summarize
+
+    cfg = TrainConfig(**flags)
+    assert attention_shape(cfg) == shape
+    result = {
+        "losses": [1.0, 0.5],
+        "step_time_median_s": 0.1,
+        "flop_params": 1000,
+        "comm_exposed_s": 0.0,
+        "comm_hidden_s": 0.0,
+    }
+    summary = summarize(cfg, cfg.layout(1), result)
+    seq = cfg.model.seq_len
+    if shape is None:
+        assert summary["flops_per_token"] == 6 * 1000
+        assert "attention not counted" in summary["flops_per_token_formula"]
+    else:
+        layers, width = shape
+        assert summary["flops_per_token"] == 6 * 1000 + 12 * layers * width * seq
+        assert f"L={layers}, d={width}, T={seq}" in summary["flops_per_token_formula"]

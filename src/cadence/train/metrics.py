@@ -20,6 +20,12 @@ job does per second by what its devices could do:
 ``peak_flops`` is one device's peak, which only the user knows (the dtype and the
 chip decide it), so MFU is reported only when ``--peak-flops`` gives it.
 
+``L`` and ``d`` are the trained model's own (`attention_shape`): TinyGPT's
+``--layers``/``--d-model``, ``--model llama``'s ``n_layers``/``dim``, a
+``transformers`` config's ``num_hidden_layers``/``hidden_size``. A factory model does
+not say, so its attention term is left out and the summary says so, rather than
+counted with numbers that belong to another model.
+
 Torch is imported on call only: the report (`cadence.train.report`) computes the
 summary's figures where torch may not be installed.
 
@@ -34,13 +40,15 @@ from __future__ import annotations
 import math
 import resource
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["flop_params", "flops_per_token", "mfu", "peak_memory_bytes"]
+    from cadence.train.config import TrainConfig
+
+__all__ = ["attention_shape", "flop_params", "flops_per_token", "mfu", "peak_memory_bytes"]
 
 
 def flop_params(modules: list[nn.Module]) -> int:
@@ -57,6 +65,30 @@ def flop_params(modules: list[nn.Module]) -> int:
             for p in module.parameters(recurse=False):
                 multiplied[id(p)] = p.numel()  # a DTensor's numel is the whole tensor's
     return sum(multiplied.values())
+
+
+def attention_shape(cfg: TrainConfig) -> tuple[int, int] | None:
+    """``(L, d)`` of the model ``cfg`` trains, or None when its ``--model`` does not say
+    (see [Note: FLOPs per token and MFU])."""
+    spec = cfg.model_factory
+    if not spec:
+        return cfg.model.n_layers, cfg.model.d_model
+    if spec == "llama":
+        from cadence.models.llama import LlamaConfig  # on call: it imports torch
+
+        llama = LlamaConfig(**cfg.model_config)
+        return llama.n_layers, llama.dim
+    if spec.startswith("hf:"):
+        from cadence.models.hf import hf_class  # on call: transformers
+
+        cls: Any = hf_class(spec.removeprefix("hf:"))  # its config_class is untyped
+        config = cls.config_class(**cfg.model_config)
+        # The standard names; every transformers config maps its own onto them.
+        layers = getattr(config, "num_hidden_layers", None)
+        width = getattr(config, "hidden_size", None)
+        if isinstance(layers, int) and isinstance(width, int):
+            return layers, width
+    return None
 
 
 def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> int:

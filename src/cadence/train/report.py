@@ -15,7 +15,7 @@ from typing import Any
 
 from cadence.train.config import Layout, TrainConfig
 from cadence.train.config_file import config_to_toml
-from cadence.train.metrics import flops_per_token, mfu
+from cadence.train.metrics import attention_shape, flops_per_token, mfu
 
 __all__ = ["Progress", "print_table", "summarize", "write_config", "write_metrics"]
 
@@ -67,9 +67,15 @@ def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[
     evals = result.get("evals") or []
     tokens_per_s = tokens_per_step / step_s if step_s > 0 else float("nan")
     # See [Note: FLOPs per token and MFU] in cadence.train.metrics.
-    m = cfg.model
     n_params = result.get("flop_params", 0)
-    per_token = flops_per_token(n_params, m.n_layers, m.d_model, m.seq_len)
+    shape = attention_shape(cfg)
+    if shape is None:
+        per_token = flops_per_token(n_params, 0, 0, cfg.model.seq_len)
+        formula = f"6N, N={n_params:,}; attention not counted: --model does not give L and d"
+    else:
+        (layers, width), seq = shape, cfg.model.seq_len
+        per_token = flops_per_token(n_params, layers, width, seq)
+        formula = f"6N + 12LdT, N={n_params:,}, L={layers}, d={width}, T={seq}"
     utilization, mfu_note = mfu(tokens_per_s, per_token, cfg.peak_flops, layout.world)
     memory = result.get("peak_memory_bytes") or []
     return {
@@ -83,6 +89,7 @@ def summarize(cfg: TrainConfig, layout: Layout, result: dict[str, Any]) -> dict[
         "tokens_per_s": tokens_per_s,
         "flop_params": n_params,
         "flops_per_token": per_token,
+        "flops_per_token_formula": formula,
         "mfu": utilization,
         "mfu_note": mfu_note,
         "peak_memory_mib_per_rank": [round(b / 2**20, 1) for b in memory],
@@ -134,7 +141,7 @@ def print_table(
         ("tokens/s", f"{summary['tokens_per_s']:.0f}"),
         (
             "FLOPs/token",
-            f"{summary['flops_per_token']:.3g} (6N + 12LdT, N={summary['flop_params']:,})",
+            f"{summary['flops_per_token']:.3g} ({summary['flops_per_token_formula']})",
         ),
         ("MFU", _mfu(summary)),
         ("peak memory", _memory(summary)),
