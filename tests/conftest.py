@@ -7,6 +7,13 @@ module that needs no torch at all says so with ``pytestmark = pytest.mark.torch_
 with ``--torch-free=only``, where any import of torch raises: a module marked wrongly
 fails there rather than passing silently on one lane only. Every lane then runs the
 rest with ``--torch-free=skip``. Without the option, everything runs.
+
+[Note: benchmark tests run on the primary lane only]
+``cadence bench`` measures against the primary torch (docs/benchmarks.md shows only its
+records; an earlier release's are history). A module marked ``primary_lane`` checks
+that plumbing, or scripts around it, and runs on the primary lane only: ``./dev test``
+sets ``CADENCE_TORCH_LANE`` and ``CADENCE_PRIMARY_LANE``, and another lane deselects
+the module. Run by hand (no lane set), everything runs.
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "torch_free: the module needs no torch; run once, not on every torch lane"
     )
+    config.addinivalue_line(
+        "markers",
+        "primary_lane: checks the benchmarks, which measure against the primary torch; "
+        "other lanes skip it",
+    )
     if config.getoption("--torch-free") == "only":
         if any(m == "torch" or m.startswith("torch.") for m in sys.modules):
             raise pytest.UsageError("--torch-free=only: torch was imported before the tests")
@@ -73,15 +85,22 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+def _other_lane() -> bool:
+    """Whether ``./dev test`` runs this session on a lane other than the primary one."""
+    lane, primary = os.environ.get("CADENCE_TORCH_LANE"), os.environ.get("CADENCE_PRIMARY_LANE")
+    return lane is not None and primary is not None and lane != primary
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mode = config.getoption("--torch-free")
-    if mode is None:
-        return
-    keep = mode == "only"
-    selected = [i for i in items if (i.get_closest_marker("torch_free") is not None) == keep]
-    deselected = [i for i in items if i not in selected]
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
+    selected = items
+    if mode is not None:
+        keep = mode == "only"
+        selected = [i for i in selected if (i.get_closest_marker("torch_free") is not None) == keep]
+    if _other_lane():  # see [Note: benchmark tests run on the primary lane only]
+        selected = [i for i in selected if i.get_closest_marker("primary_lane") is None]
+    if len(selected) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in selected])
         items[:] = selected
 
 

@@ -65,3 +65,22 @@ def test_a_lane_runs_the_torch_it_names() -> None:
     if lane is None:
         pytest.skip("not run through ./dev test (no CADENCE_TORCH_LANE)")
     assert _release(torch.__version__) == lane, (torch.__version__, lane)
+
+
+def test_only_the_primary_lane_runs_the_benchmark_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """See [Note: benchmark tests run on the primary lane only] in tests/conftest.py."""
+    from tests.conftest import _other_lane
+
+    dev = (ROOT / "dev").read_text()
+    assert "CADENCE_PRIMARY_LANE=$PRIMARY" in dev and f"PRIMARY={PRIMARY_TORCH}\n" in dev
+    for lane, primary, other in [
+        (None, None, False),  # run by hand: everything runs
+        (PRIMARY_TORCH, PRIMARY_TORCH, False),
+        ("2.13", PRIMARY_TORCH, True),
+    ]:
+        for name, value in (("CADENCE_TORCH_LANE", lane), ("CADENCE_PRIMARY_LANE", primary)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert _other_lane() is other, (lane, primary)

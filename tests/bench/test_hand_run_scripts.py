@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+# Benchmarks measure against the primary torch: see [Note: benchmark tests run on the
+# primary lane only] in tests/conftest.py.
+pytestmark = pytest.mark.primary_lane
+
 REPO = Path(__file__).resolve().parents[2]
 
 # script -> (tiny arguments, a line its output must contain)
