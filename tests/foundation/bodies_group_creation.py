@@ -9,28 +9,15 @@ import torch.distributed as dist
 
 import cadence
 from cadence.topology import can_split
+from tests._group_spy import spy_groups
 
 
 def build_counting(dp_replicate: int, dp_shard: int, pp: int) -> dict[str, Any]:
     """Build a topology with ``new_group`` and ``split_group`` counted; then check each
     group by an all-reduce of the ranks."""
-    calls = {"new_group": 0, "split_group": 0}
-    originals = {name: getattr(dist, name) for name in calls}
-
-    def counted(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in calls:
-        setattr(dist, name, counted(name))
-    try:
+    with spy_groups() as spy:
         groups = cadence.Topology(dp_replicate=dp_replicate, dp_shard=dp_shard, pp=pp).build()
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    calls = {name: spy.calls.count(name) for name in ("new_group", "split_group")}
     out: dict[str, Any] = {"calls": calls, "can_split": can_split()}
     for name in ("pp", "dp_replicate", "dp_shard", "dp"):
         group = getattr(groups, name)

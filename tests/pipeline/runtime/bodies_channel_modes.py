@@ -12,7 +12,7 @@ from cadence.pipeline.runtime import build_pipeline
 from cadence.pipeline.schedule import ActionKind, Payload, placement_for
 from cadence.testing import max_abs_diff, named_grads, run_subtests
 from cadence.topology import can_split
-from tests.pipeline.runtime._group_spy import spy_groups
+from tests._group_spy import spy_groups
 
 # (name, chunks): the schedule families; DualPipeV needs m >= 2p, so m = 2p for all.
 SCHEDULES = [

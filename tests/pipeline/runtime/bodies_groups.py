@@ -10,7 +10,7 @@ from cadence import EventLog
 from cadence.pipeline.runtime import PlanMismatchError, build_channel_groups
 from cadence.pipeline.schedule import ChannelPlan
 from cadence.topology import can_split
-from tests.pipeline.runtime._group_spy import spy_groups
+from tests._group_spy import spy_groups
 
 LOOP4 = [(0, 1), (1, 2), (2, 3), (3, 0), (1, 0), (2, 1), (3, 2), (0, 3)]
 

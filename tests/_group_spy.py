@@ -1,9 +1,9 @@
-"""Count the process groups a pipeline build creates, by either of torch's two ways.
+"""Count the process groups a build creates, by either of torch's two ways.
 
-Where the backend can split (`cadence.topology.can_split`), channel groups come from
-one ``split_group`` per round (per direction); elsewhere from one ``new_group`` per
-group. The tests hold the groups made (each a sorted tuple of ranks) and the number of
-world-wide calls, whichever way was taken.
+Where the backend can split (`cadence.topology.can_split`), `Topology.build` makes an
+axis's groups, and the pipeline its channel groups, with one ``split_group`` per axis
+or round; elsewhere with one ``new_group`` per group. The tests hold the groups made
+(each a sorted tuple of ranks) and the world-wide calls, whichever way was taken.
 """
 
 from __future__ import annotations
