@@ -31,11 +31,12 @@ import torch
 from torch import nn
 
 from cadence.models.gpt import Block
-from cadence.models.llama import LlamaBlock, LlamaConfig
+from cadence.models.llama import LlamaBlock
 from cadence.pipeline.runtime.stage import TensorMeta
 from cadence.precompile import precompile_module
 from cadence.train.build import TrainState
 from cadence.train.config import TrainConfig
+from cadence.train.metrics import attention_shape
 
 __all__ = ["compile_state"]
 
@@ -53,10 +54,10 @@ _BLOCKS = (Block, LlamaBlock)
 
 
 def _width(cfg: TrainConfig) -> int:
-    """D, the width of the activations between blocks."""
-    if cfg.model_factory == "llama":
-        return LlamaConfig(**cfg.model_config).dim
-    return cfg.model.d_model
+    """D, the width of the activations between blocks (the embedded models say it)."""
+    shape = attention_shape(cfg)
+    assert shape is not None, "--compile is refused for models that do not give their width"
+    return shape[1]
 
 
 def _activations(cfg: TrainConfig, rows: int) -> torch.Tensor:
