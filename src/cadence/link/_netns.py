@@ -1,0 +1,311 @@
+"""The emulated link itself: a network namespace of the run's own, its loopback shaped.
+
+[Note: why a namespace]
+On one machine, ranks talk over ``lo``, which moves bytes as fast as the CPU copies
+them: communication is CPU work competing with the compute, and overlap has nothing
+to hide. Shaping the host's ``lo`` would slow every other program on the machine. A
+new network namespace has a loopback of its own (127.0.0.0/8 and nothing else, no
+route out), so its ``lo`` can be given a token-bucket rate (``tbf``) and a delay
+(``netem``) that only the processes started inside see. Every byte any rank sends
+passes that one queue once, in either direction: the ranks share one wire, as the
+ranks of a node share its NIC.
+
+[Note: the namespace is removed on every exit path]
+`EmulatedLink` is a context manager: leaving it (normally, by an error, by Ctrl-C,
+after a rank was killed) kills whatever still runs inside and deletes the namespace.
+A process killed with SIGKILL runs no code, so a namespace can outlive its creator;
+its name carries the creator's pid, and the next link made on the machine removes
+every ``cadence-link-<pid>-*`` whose pid is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from cadence.link._errors import LinkUnavailableError
+from cadence.link._spec import LinkSpec
+from cadence.link._wire import ENV_VAR, ActiveLink
+
+__all__ = ["PREFIX", "EmulatedLink", "LinkMeasurement", "remove_stale"]
+
+PREFIX = "cadence-link-"
+_STALE = re.compile(rf"^{re.escape(PREFIX)}(\d+)-\d+$")
+_COUNTER = itertools.count()
+# A loopback packet is up to 64 KiB (lo's MTU), and the token bucket must hold at least
+# one; more than a few lets a sender burst past the rate.
+_MIN_BURST = 256 * 1024
+# Queue room before the shaper drops: a drop on loopback costs TCP a 200 ms
+# retransmission timeout, which no real link's loss would cost at these round trips.
+_QUEUE_BYTES = 64 * 1024 * 1024
+_TOOLS = {"ip": "iproute2", "tc": "iproute2"}
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """What the self-check saw: bytes through the link, at what rate, and a round trip."""
+
+    bytes: int
+    seconds: float
+    rate_bps: float
+    rtt_ms: float
+
+    def line(self, spec: LinkSpec) -> str:
+        asked = spec.describe()
+        got = LinkSpec(None).describe() if not spec.shaped else f"{self.rate_bps / 1e9:.3g} Gbit/s"
+        ratio = f" ({self.rate_bps / spec.rate_bps:.2f} of it)" if spec.rate_bps else ""
+        return (
+            f"link self-check: asked {asked}; measured {got}{ratio} over "
+            f"{self.bytes / 2**20:.0f} MiB, round trip {self.rtt_ms:.2f} ms"
+        )
+
+
+def _run(argv: Sequence[str], what: str) -> str:
+    """Run an ``ip``/``tc`` command; a failure names the command and its message."""
+    done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        msg = (done.stderr or done.stdout).strip().splitlines()
+        reason = msg[-1] if msg else f"exit {done.returncode}"
+        hint = ""
+        if "qdisc kind is unknown" in reason:
+            kind = next((k for k in ("netem", "tbf") if k in argv), "?")
+            hint = f"; this kernel has no `{kind}` queueing discipline (module sch_{kind})" + (
+                ", which delay= needs: drop delay= or use a kernel with sch_netem"
+                if kind == "netem"
+                else ""
+            )
+        if "permitted" in reason.lower() or "permission" in reason.lower():
+            hint = (
+                "; making a network namespace needs CAP_NET_ADMIN and CAP_SYS_ADMIN "
+                "(run as root, or give the container --cap-add NET_ADMIN --cap-add SYS_ADMIN)"
+            )
+        raise LinkUnavailableError(f"{what}: `{' '.join(argv)}` failed: {reason}{hint}")
+    return done.stdout
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _kill_inside(name: str) -> None:
+    """SIGKILL whatever still runs in the namespace (a rank the launcher left behind)."""
+    out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, check=False)
+    for pid in out.stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _remove(name: str) -> None:
+    _kill_inside(name)
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces of links whose creator died without removing them."""
+    removed = []
+    for name in _namespaces():
+        m = _STALE.match(name)
+        if m and not _pid_alive(int(m.group(1))):
+            _remove(name)
+            removed.append(name)
+    return removed
+
+
+def _qdisc_commands(name: str, spec: LinkSpec) -> list[list[str]]:
+    """tc's commands for ``spec`` on the namespace's lo (tc-netem(8)'s delay + rate)."""
+    assert spec.rate_bps is not None
+    tc = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo"]
+    burst = max(_MIN_BURST, spec.rate_bps // 8 // 1000)  # a millisecond at the rate
+    tbf = ["tbf", "rate", f"{spec.rate_bps}bit", "burst", str(burst), "limit", str(_QUEUE_BYTES)]
+    if not spec.delay_ms:
+        return [[*tc, "root", "handle", "1:", *tbf]]
+    netem = ["netem", "delay", f"{spec.delay_ms:g}ms", "limit", "100000"]
+    return [[*tc, "root", "handle", "1:", *netem], [*tc, "parent", "1:1", "handle", "10:", *tbf]]
+
+
+class EmulatedLink:
+    """A network namespace whose loopback is a link of ``spec``'s rate and delay.
+
+    ::
+
+        with EmulatedLink(LinkSpec.parse("2gbit,delay=1")) as link:
+            print(link.self_check().line(link.spec))
+            link.run(["torchrun", "--nproc-per-node", "2", "train.py"])
+
+    Entering checks the tools and privileges and refuses with one line naming what is
+    missing (`LinkUnavailableError`); it never falls back to an unshaped loopback.
+    Leaving removes the namespace (see [Note: the namespace is removed on every exit
+    path]). Only loopback addresses exist inside: nothing a command does there can
+    reach another machine.
+    """
+
+    def __init__(self, spec: LinkSpec, *, name: str | None = None) -> None:
+        self.spec = spec
+        self.name = name or f"{PREFIX}{os.getpid()}-{next(_COUNTER)}"
+        self.measurement: LinkMeasurement | None = None
+        self._made = False
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def __enter__(self) -> EmulatedLink:
+        for tool, package in _TOOLS.items():
+            if shutil.which(tool) is None:
+                raise LinkUnavailableError(
+                    f"the emulated link needs `{tool}` on PATH (Debian/Ubuntu package "
+                    f"{package}); it was not found, so no link was made"
+                )
+        remove_stale()
+        _run(["ip", "netns", "add", self.name], "making the link's network namespace")
+        self._made = True
+        try:
+            _run(
+                ["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"],
+                "bringing up the namespace's loopback",
+            )
+            if self.spec.shaped:
+                for argv in _qdisc_commands(self.name, self.spec):
+                    _run(argv, "shaping the namespace's loopback")
+                self._check_shaped()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill what runs inside and delete the namespace (idempotent)."""
+        if self._made:
+            self._made = False
+            _remove(self.name)
+
+    def _check_shaped(self) -> None:
+        """tc's own account of the qdisc, so a silently ignored command cannot pass."""
+        out = _run(
+            ["ip", "netns", "exec", self.name, "tc", "-j", "qdisc", "show", "dev", "lo"],
+            "reading the loopback's shaping back",
+        )
+        kinds = {q.get("kind") for q in json.loads(out or "[]")}
+        want = {"tbf"} | ({"netem"} if self.spec.delay_ms else set())
+        if not want <= kinds:
+            raise LinkUnavailableError(
+                f"the namespace's loopback shows qdiscs {sorted(k for k in kinds if k)} "
+                f"after shaping, not {sorted(want)}: the kernel lacks sch_tbf/sch_netem "
+                "(modprobe sch_tbf sch_netem)"
+            )
+
+    # -- use ------------------------------------------------------------------
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` as a command that runs inside the link."""
+        if not self._made:
+            raise LinkUnavailableError(
+                "the link is not open: use it inside `with EmulatedLink(...)`"
+            )
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def active(self) -> ActiveLink:
+        m = self.measurement
+        return ActiveLink(
+            self.spec,
+            self.name,
+            m.rate_bps if (m and self.spec.shaped) else None,
+            m.rtt_ms if m else None,
+        )
+
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment of a command inside: this process's, plus ``CADENCE_LINK``."""
+        return {**os.environ, **(extra or {}), ENV_VAR: self.active().to_env()}
+
+    def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> int:
+        """Run ``argv`` inside the link, wait for it, return its exit status.
+
+        Ctrl-C and SIGTERM reach the command (it shares this process group for
+        Ctrl-C; SIGTERM is forwarded); the caller's ``with`` then removes the link.
+        """
+        proc = subprocess.Popen(self.command(argv), env=self.env(env))
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def forward(signum: int, frame: object) -> None:
+            proc.send_signal(signal.SIGTERM)
+            raise KeyboardInterrupt
+
+        in_main = _in_main_thread()
+        if in_main:
+            signal.signal(signal.SIGTERM, forward)
+        try:
+            return proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+        finally:
+            if in_main:
+                signal.signal(signal.SIGTERM, previous)
+
+    def self_check(self, seconds: float = 0.5) -> LinkMeasurement:
+        """Send a known number of bytes through the link and time them.
+
+        About ``seconds`` at the asked rate (1 MiB to 256 MiB; 64 MiB unshaped).
+        """
+        rate = self.spec.rate_bps
+        nbytes = 64 << 20 if rate is None else int(min(max(rate / 8 * seconds, 1 << 20), 256 << 20))
+        out = subprocess.run(
+            self.command([sys.executable, "-m", "cadence.link._probe", str(nbytes)]),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        if out.returncode != 0:
+            raise LinkUnavailableError(
+                f"the link's self-check failed: {out.stderr.strip().splitlines()[-1:]}"
+            )
+        d = json.loads(out.stdout)
+        self.measurement = LinkMeasurement(
+            int(d["bytes"]), d["seconds"], d["rate_bps"], d["rtt_ms"]
+        )
+        return self.measurement
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
