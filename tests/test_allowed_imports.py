@@ -73,7 +73,7 @@ ROOMS: dict[str, set[str]] = {
         "pipeline/__init__.py",
     },
     "__main__.py": {"cli.py"},
-    "cli.py": {"errors.py", "launch.py", "bench/", "pipeline/schedule/", "train/"},
+    "cli.py": {"errors.py", "launch.py", "bench/", "link/", "pipeline/schedule/", "train/"},
     # Foundation.
     "errors.py": set(),
     "_lazy.py": set(),
@@ -95,6 +95,7 @@ ROOMS: dict[str, set[str]] = {
     "testing.py": {"errors.py", "launch.py"},
     # Rooms.
     "pickling/": {"errors.py"},
+    "link/": {"errors.py"},
     "pipeline/__init__.py": {"_lazy.py", "pipeline/schedule/", "pipeline/runtime/"},
     "pipeline/schedule/": {"errors.py"},
     "pipeline/runtime/": {
@@ -142,6 +143,7 @@ ROOMS: dict[str, set[str]] = {
     "bench/": {
         "errors.py",
         "launch.py",
+        "link/",  # --link: the ranks on an emulated link, its bytes counted
         "comm.py",
         "topology.py",
         "data_parallel/",
@@ -167,6 +169,7 @@ TORCH_FREE: dict[str, str] = {
     "_job_secret.py": NEVER,
     "launch.py": NEVER,  # imported eagerly by cadence/__init__.py
     "pickling/": NEVER,
+    "link/": NEVER,  # namespaces and tc: plain Linux plumbing
     "pipeline/__init__.py": ON_CALL,
     "pipeline/schedule/": NEVER,  # schedules are planned on machines without torch
     "pipeline/schedule/__init__.py": ON_CALL,  # imports compare.py

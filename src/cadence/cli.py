@@ -5,6 +5,8 @@
   channels and digest (`cadence.pipeline.schedule.show`).
 - ``cadence schedule compare``: cadence's generators against torch pipelining's,
   in cadence's simulator (`cadence.pipeline.schedule.compare`; needs torch).
+- ``cadence link RATE -- COMMAND``: run a command on an emulated cluster link
+  (`cadence.link`).
 - ``cadence bench {dp,step,fsdp,pp,collectives,pickle,precompile,schedules,scale,report}``:
   cadence against PyTorch's own implementations, side by side (`cadence.bench`).
 
@@ -47,6 +49,7 @@ from cadence.train.preflight import preflight
 __all__ = [
     "UsageError",
     "add_bench_subcommand",
+    "add_link_subcommand",
     "add_schedule_subcommand",
     "add_train_subcommand",
     "build_parser",
@@ -84,6 +87,7 @@ def build_parser(
     add_train_subcommand(sub, train_defaults)
     add_schedule_subcommand(sub)
     add_bench_subcommand(sub)
+    add_link_subcommand(sub)
     return parser
 
 
@@ -136,7 +140,7 @@ def _dash_hint(argv: list[str], exc: BaseException) -> str:
 
 def _prog(argv: list[str]) -> str:
     command = next((a for a in argv if not a.startswith("-")), None)
-    return f"cadence {command}" if command in ("train", "schedule", "bench") else "cadence"
+    return f"cadence {command}" if command in ("train", "schedule", "bench", "link") else "cadence"
 
 
 def _flat(text: str) -> str:
@@ -557,6 +561,21 @@ def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--docs", type=Path, default=None, help="with 'report': the page (docs/benchmarks.md)"
     )
+    parser.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE[,delay=MS]",
+        help="run the ranks on an emulated link: a network namespace whose loopback is "
+        "shaped to RATE (2gbit, 500mbit,delay=1, 'unshaped' to count bytes); for 'step', "
+        "'calibrated' runs every case at the rate where its wire time equals its backward, "
+        "and 4x slower (docs/link.md)",
+    )
+    parser.add_argument(
+        "--cases",
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="with 'step': only these cases (default: all)",
+    )
     _add_debug(parser)
     parser.set_defaults(func=_bench)
     return parser
@@ -577,10 +596,68 @@ def _bench(args: argparse.Namespace) -> int:
             f"--docs applies to 'cadence bench report' only; run 'cadence bench {args.kind}', "
             "then 'cadence bench report --docs PATH'"
         )
-    record, path, chart = run_bench(args.kind, quick=args.quick, out_dir=args.results)
+    options: dict[str, Any] = {}
+    if args.cases is not None:
+        if args.kind != "step":
+            raise CadenceValueError(f"--cases applies to 'cadence bench step', not {args.kind!r}")
+        options["cases"] = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if args.link is not None:
+        from cadence.bench._on_link import CALIBRATED, bench_on_link
+
+        if args.link.strip().lower() == CALIBRATED:
+            if args.kind != "step":
+                raise CadenceValueError(
+                    f"--link calibrated applies to 'cadence bench step', not {args.kind!r}; "
+                    "give a rate, e.g. --link 2gbit"
+                )
+            from cadence.bench._calibrate import run_calibrated
+
+            return run_calibrated(
+                quick=args.quick, results=args.results, cases=options.get("cases")
+            )
+        return bench_on_link(args.kind, args.link, quick=args.quick, results=args.results,
+                             cases=options.get("cases"))  # fmt: skip
+    record, path, chart = run_bench(args.kind, quick=args.quick, out_dir=args.results, **options)
     print(format_rows(record))
     print(f"record: {path}" + (f"; chart: {chart}" if chart else "; no chart (no matplotlib)"))
     return 0
+
+
+# -- cadence link -----------------------------------------------------------------
+
+
+def add_link_subcommand(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``link`` to an argparse sub-parser collection."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "link",
+        help="run a command (torchrun, your script) on an emulated cluster link (docs/link.md)",
+    )
+    parser.add_argument("spec", metavar="RATE[,delay=MS]", help="e.g. 2gbit or 500mbit,delay=1")
+    parser.add_argument(
+        "--no-check", action="store_true", help="skip the self-check transfer before the command"
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- then the command to run inside the link"
+    )
+    _add_debug(parser)
+    parser.set_defaults(func=_link)
+    return parser
+
+
+def _link(args: argparse.Namespace) -> int:
+    from cadence.link import EmulatedLink, LinkSpec
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise CadenceValueError(
+            "give the command to run after --, e.g. "
+            "'cadence link 2gbit -- torchrun --nproc-per-node 2 train.py'"
+        )
+    spec = LinkSpec.parse(args.spec)
+    with EmulatedLink(spec) as link:
+        if not args.no_check:
+            print(link.self_check().line(spec), file=sys.stderr, flush=True)
+        return link.run(command)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "device_and_backend",
+    "device_sync",
     "interleave",
     "launch_ranks",
     "loadavg",
@@ -73,7 +74,7 @@ def launch_ranks(
     )
 
 
-def _sync() -> Callable[[], None]:
+def device_sync() -> Callable[[], None]:
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -97,7 +98,7 @@ def interleave(
     """
     import torch.distributed as dist
 
-    sync = _sync()
+    sync = device_sync()
     names = list(variants)
     out: dict[str, list[float]] = {n: [] for n in names}
     if cpu is not None:

@@ -118,8 +118,13 @@ def make_record(
     load_before: list[float],
     settings: dict[str, Any],
 ) -> dict[str, Any]:
+    from cadence.link import active_link
+
     machine = machine_info()
     machine["loadavg_before"] = load_before
+    link = active_link()
+    if link is not None:  # the run's ranks were on an emulated link: say which
+        settings = {**settings, **link.as_settings()}
     return {
         "version": RECORD_VERSION,
         "kind": kind,

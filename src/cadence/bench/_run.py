@@ -9,7 +9,7 @@ from typing import Any
 from cadence.bench._record import write_chart, write_record
 from cadence.errors import CadenceValueError
 
-__all__ = ["KINDS", "format_rows", "run_bench"]
+__all__ = ["KINDS", "format_rows", "link_line", "run_bench"]
 
 KINDS = (
     "dp", "step", "fsdp", "pp", "collectives", "pickle", "precompile", "schedules", "scale"
@@ -31,6 +31,23 @@ def _fmt(summary: dict[str, float] | None) -> str:
     if summary is None:
         return "-"
     return f"{summary['median']:.3f} [{summary['q1']:.3f}-{summary['q3']:.3f}]"
+
+
+def link_line(row: dict[str, Any]) -> str:
+    """A step row's link figures: times over compute alone, overlap efficiencies."""
+    lk = row["link"]
+    c = lk["compute_ms"]
+    parts = [f"rate {lk['rate_bps'] / 1e9:.3g} Gbit/s" if lk["rate_bps"] else "unshaped"]
+    for v in ("cadence", "torch", "torch_best"):
+        if v in lk:
+            f = lk[v]
+            eff = "-" if f["efficiency"] is None else f"{f['efficiency']:.2f}"
+            parts.append(
+                f"{v}: {lk['bytes'][v] / 2**20:.1f} MiB, wire {f['wire_ms'] / c:.2f}C, "
+                f"bound {f['pattern_bound_ms'] / c:.2f}C (CPU {f['cpu_bound_ms'] / c:.2f}C), "
+                f"step {f['measured_ms'] / c:.2f}C, eff {eff}"
+            )
+    return "; ".join(parts)
 
 
 def format_rows(record: dict[str, Any]) -> str:
@@ -57,6 +74,10 @@ def format_rows(record: dict[str, Any]) -> str:
             f"{(r['case'] + ' ' + r['metric']).ljust(width)}  ratio {_fmt(r['ratio'])}  "
             f"aa {_fmt(r.get('aa'))}{target}  {extra}"
         )
+        if "ratio_best" in r:
+            lines.append(f"{''.ljust(width)}  vs torch's best {_fmt(r['ratio_best'])}")
+        if "link" in r:
+            lines.append(f"{''.ljust(width)}  {link_line(r)}")
     if m["cpu_count"] and max(m["loadavg"][0], m["loadavg_before"][0]) > m["cpu_count"]:
         lines.append("WARNING: load average above the core count: the figures are noisy")
     return "\n".join(lines)

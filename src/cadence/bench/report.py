@@ -19,6 +19,11 @@ from typing import Any
 
 from cadence.bench._run import KINDS
 
+# Kinds a record may have besides the runnable ones: ``step --link calibrated``
+# writes ``step-link`` (see `cadence.bench._calibrate`).
+LINK_KIND = "step-link"
+REPORT_KINDS = (*KINDS[:2], LINK_KIND, *KINDS[2:])
+
 __all__ = [
     "HAND_WRITTEN",
     "PRIMARY_TORCH",
@@ -32,6 +37,7 @@ __all__ = [
 _TITLES = {
     "dp": "DataParallel vs torch DDP",
     "step": "Whole training steps: caller-owned timing vs torch",
+    LINK_KIND: "Whole steps on an emulated cluster link: overlap against its bound",
     "fsdp": "fully_shard vs torch FSDP2",
     "pp": "pipeline runtime vs torch pipelining",
     "collectives": "cadence's exchange collectives vs gloo's own",
@@ -184,7 +190,7 @@ def _records(*folders: Path) -> list[dict[str, Any]]:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if record.get("tiny") or record.get("kind") not in KINDS:
+        if record.get("tiny") or record.get("kind") not in REPORT_KINDS:
             continue
         record["_path"] = str(path)  # not written back: locates the chart
         out.append(record)
@@ -241,13 +247,17 @@ def render(
     """The page; ``page_dir`` (where it is written) makes chart links relative to it;
     ``older`` (see `history`) adds the earlier records' section."""
     out = [_HEADER]
-    for kind in KINDS:
+    for kind in REPORT_KINDS:
         out.append(f"\n## {_TITLES[kind]}\n")
         if kind in _NOTES:
             out.append(_NOTES[kind])
         record = records.get(kind)
         if record is None:
-            out.append(f"No record yet: run `cadence bench {kind}`.\n")
+            command = "step --link calibrated" if kind == LINK_KIND else kind
+            out.append(f"No record yet: run `cadence bench {command}`.\n")
+            continue
+        if kind == LINK_KIND:
+            out.append(_link_tables(record))
             continue
         m = record["machine"]
         out.append(
@@ -281,6 +291,60 @@ def render(
     if older:
         out.append(_history_section(older, page_dir))
     return "\n".join(out)
+
+
+def _c(row: dict[str, Any], variant: str, key: str) -> str:
+    lk = row["link"]
+    if variant not in lk:
+        return "-"
+    return f"{lk[variant][key] / lk['compute_ms']:.2f}"
+
+
+def _eff(row: dict[str, Any], variant: str) -> str:
+    f = row["link"].get(variant)
+    if f is None:
+        return "-"
+    return "CPU-bound" if f["efficiency"] is None else f"{f['efficiency']:.2f}"
+
+
+def _link_tables(record: dict[str, Any]) -> str:
+    """One table per rate of a ``step-link`` record (see `cadence.bench._calibrate`)."""
+    m = record["machine"]
+    lines = [
+        f"`cadence bench step --link calibrated{' --quick' if record['quick'] else ''}`, "
+        f"{record['created']}: {m['cpu_count']} CPUs, torch {m.get('torch')}. Settings: "
+        + ", ".join(f"{k} {v}" for k, v in record["settings"].items())
+        + ". Times are multiples of the case's compute alone (C); each case ran on a "
+        "link of its own, its load average (1 min, before / after) in the last column.\n"
+    ]
+    rates = list(dict.fromkeys(row["rate"] for row in record["rows"]))
+    for rate in rates:
+        lines.append(f"\n**{rate}**\n")
+        lines.append(
+            "| case | link asked (measured) | MiB/step cadence, torch | wire | bound: pattern; "
+            "CPU (cadence) | step: cadence, torch, torch's best | efficiency: cadence, torch, "
+            "torch's best | cadence / torch | cadence / torch's best | A/A | target | load |"
+        )
+        lines.append("| --- " * 12 + "|")
+        for row in (r for r in record["rows"] if r["rate"] == rate):
+            lk, ls = row["link"], row["link_settings"]
+            asked = ls["link_rate_asked_bps"] / 1e9
+            got = (ls["link_rate_measured_bps"] or 0) / 1e9
+            mib = ", ".join(
+                f"{lk['bytes'][v] / 2**20:.1f}" for v in ("cadence", "torch") if v in lk["bytes"]
+            )
+            best = row.get("ratio_best")
+            lines.append(
+                f"| {row['case']} | {asked:.3g} Gbit/s ({got:.3g}) | {mib} "
+                f"| {_c(row, 'cadence', 'wire_ms')} "
+                f"| {_c(row, 'cadence', 'pattern_bound_ms')}; {_c(row, 'cadence', 'cpu_bound_ms')} "
+                f"| {_c(row, 'cadence', 'measured_ms')}, {_c(row, 'torch', 'measured_ms')}, "
+                f"{_c(row, 'torch_best', 'measured_ms')} "
+                f"| {_eff(row, 'cadence')}, {_eff(row, 'torch')}, {_eff(row, 'torch_best')} "
+                f"| {_cell(row['ratio'])} | {_cell(best)} | {_cell(row.get('aa'))} "
+                f"| {_verdict(row)} | {row['load'][0]:.2f} / {row['load'][1]:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def _history_section(older: list[dict[str, Any]], page_dir: Path | None) -> str:

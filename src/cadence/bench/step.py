@@ -73,22 +73,32 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
+import os
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
+from cadence.bench._bound import link_figures
 from cadence.bench._loop import (
     device_and_backend,
+    device_sync,
     interleave,
     launch_ranks,
     loadavg,
     rank_device,
     slowest_per_rep,
 )
-from cadence.bench._record import make_record, timed_row
+from cadence.bench._record import make_record, paired_ratios, ratio_summary, timed_row
+from cadence.errors import CadenceValueError
 
 __all__ = ["CASES", "TINY", "rank_body", "run"]
 
 VARIANTS = ("plain", "cadence", "cadence_sync", "torch", "torch_b")
+# torch's strongest configuration of the case's pattern, where it is not the plain loop
+# ``torch`` already runs: DDP's own manual finalization for the recommender, DDP's
+# optimizer fused into its reduction (``_register_fused_optim``) for dense AdamW.
+TORCH_BEST = "torch_best"
 
 CASES: dict[str, dict[str, Any]] = {
     "dense_adamw": {"what": "12 x [Linear(512) + GELU] + Linear(512, 1), AdamW, batch 128/rank",
@@ -138,10 +148,16 @@ Steps = dict[str, Callable[[], None]]
 
 class _FirstLosses:
     """Each variant's loss at its first two steps (see the module docstring), kept as
-    detached tensors so that noting one costs no device synchronization."""
+    detached tensors so that noting one costs no device synchronization; and what the
+    bound of [Note: the bound perfect overlap allows] needs of the case: the ``plain``
+    variant's step cut in three (before its last backward, that backward, after it),
+    and ``meta`` (how many pieces the reduction comes in, a stage's parameter bytes)."""
 
     def __init__(self) -> None:
-        self.seen: dict[str, list[Any]] = {k: [] for k in VARIANTS}
+        self.seen: dict[str, list[Any]] = {k: [] for k in (*VARIANTS, TORCH_BEST)}
+        self.phases: list[list[float]] = []
+        self.meta: dict[str, Any] = {}
+        self._marks: list[float] = []
 
     def wants(self, k: str) -> bool:
         return len(self.seen[k]) < 2
@@ -151,7 +167,19 @@ class _FirstLosses:
             self.seen[k].append(loss.detach().float())
 
     def floats(self) -> dict[str, list[float]]:
-        return {k: [float(x) for x in v] for k, v in self.seen.items()}
+        return {k: [float(x) for x in v] for k, v in self.seen.items() if v}
+
+    def mark(self, k: str, *, last: bool = False) -> None:
+        """A phase boundary of the ``plain`` variant (others are not timed by phase):
+        its start, the start of its last backward, its end, then the step's end."""
+        if k != "plain":
+            return
+        device_sync()()
+        self._marks.append(time.perf_counter())
+        if last:
+            t = self._marks
+            self.phases.append([b - a for a, b in itertools.pairwise(t)])
+            self._marks = []
 
 
 def _tower(layers: int, width: int, d_in: int) -> Any:
@@ -192,16 +220,27 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _
     }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     models["cadence"].overlap_optimizer(opts["cadence"])
+    # torch's own optimizer-in-backward: DDP steps each parameter as its bucket's
+    # all-reduce completes (the functional AdamW, same arithmetic as opts' AdamW).
+    models[TORCH_BEST] = _ddp(copy.deepcopy(base), device)
+    models[TORCH_BEST]._register_fused_optim(torch.optim.AdamW, lr=1e-4)
     losses = _FirstLosses()
+    losses.meta["pieces"] = models["cadence"].num_buckets
 
     def step(k: str) -> None:
-        opts[k].zero_grad(set_to_none=True)
+        losses.mark(k)
+        if k in opts:
+            opts[k].zero_grad(set_to_none=True)
         loss = models[k](x).float().pow(2).mean()
+        losses.mark(k)
         loss.backward()
+        losses.mark(k)
         losses.note(k, loss)
-        opts[k].step()
+        if k in opts:  # torch_best stepped inside its backward
+            opts[k].step()
+        losses.mark(k, last=True)
 
-    return {k: functools.partial(step, k) for k in VARIANTS}, losses
+    return {k: functools.partial(step, k) for k in (*VARIANTS, TORCH_BEST)}, losses
 
 
 def _sharded(
@@ -245,13 +284,18 @@ def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _F
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     models["cadence"].overlap_optimizer(opts["cadence"])
     losses = _FirstLosses()
+    losses.meta["pieces"] = spec["layers"]  # a unit per block but the head, and the root
 
     def step(k: str) -> None:
+        losses.mark(k)
         opts[k].zero_grad(set_to_none=True)
         loss = models[k](x).float().pow(2).mean()
+        losses.mark(k)
         loss.backward()
+        losses.mark(k)
         losses.note(k, loss)
         opts[k].step()
+        losses.mark(k, last=True)
 
     return {k: functools.partial(step, k) for k in VARIANTS}, losses
 
@@ -261,6 +305,7 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     import torch
     import torch.distributed as dist
     from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from cadence.comm import Comm
     from cadence.data_parallel import DataParallel
@@ -284,9 +329,18 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     towers["cadence"].require_manual_backward_finalization = True
     for k in ("torch", "torch_b"):
         towers[k] = _ddp(copy.deepcopy(tower), device)
+    names = list(VARIANTS)
+    # torch's strongest configuration of the pattern (2.15): DDP's own manual
+    # finalization, the sparse half run while DDP's buckets are in flight.
+    if hasattr(DDP, "require_manual_backward_finalization"):
+        bags[TORCH_BEST] = copy.deepcopy(bag)
+        towers[TORCH_BEST] = _ddp(copy.deepcopy(tower), device)
+        towers[TORCH_BEST].require_manual_backward_finalization = True
+        names.append(TORCH_BEST)
     dense_opts = {k: torch.optim.SGD(t.parameters(), lr=1e-3) for k, t in towers.items()}
     sparse_opts = {k: torch.optim.SGD(b.parameters(), lr=1e-3) for k, b in bags.items()}
     losses = _FirstLosses()
+    losses.meta["pieces"] = towers["cadence"].num_buckets
 
     def sparse_half(k: str) -> None:
         grad = bags[k].weight.grad
@@ -296,19 +350,24 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
         sparse_opts[k].step()
 
     def step(k: str) -> None:
+        losses.mark(k)
         dense_opts[k].zero_grad(set_to_none=True)
         sparse_opts[k].zero_grad(set_to_none=True)
         loss = towers[k](torch.tanh(bags[k](ids))).float().pow(2).mean()
+        losses.mark(k)
         loss.backward()
+        losses.mark(k)
         losses.note(k, loss)
-        # cadence: backward only launched the dense buckets; the sparse half runs while
-        # they are in flight, then finalize. Everyone else: backward already waited.
+        # cadence and torch_best: backward only launched the dense buckets; the sparse
+        # half runs while they are in flight, then finalize. The others: backward
+        # already waited.
         sparse_half(k)
-        if k == "cadence":
+        if k in ("cadence", TORCH_BEST):
             towers[k].finalize_backward()
         dense_opts[k].step()
+        losses.mark(k, last=True)
 
-    return {k: functools.partial(step, k) for k in VARIANTS}, losses
+    return {k: functools.partial(step, k) for k in names}, losses
 
 
 # -- nanoGPT ----------------------------------------------------------------------
@@ -384,17 +443,22 @@ def _nanogpt_loop(
 
     def step(k: str) -> None:
         model, total = models[k], None
+        losses.mark(k)
         for i in range(accum):
             if k != "plain":
                 set_sync(model, i == accum - 1)
             loss = _gpt_loss(model(x[i]), y[i]) / accum
+            if i == accum - 1:
+                losses.mark(k)
             loss.backward()
             if losses.wants(k):
                 total = loss.detach() if total is None else total + loss.detach()
+        losses.mark(k)
         if total is not None:
             losses.note(k, total)
         opts[k].step()
         opts[k].zero_grad(set_to_none=True)
+        losses.mark(k, last=True)
 
     return {k: functools.partial(step, k) for k in VARIANTS}, losses
 
@@ -418,7 +482,9 @@ def _nanogpt_dp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Ste
     def set_sync(model: Any, flag: bool) -> None:
         model.require_backward_grad_sync = flag  # nanoGPT's spelling, DDP's flag
 
-    return _nanogpt_loop(models, opts, spec, x, y, set_sync)
+    steps, losses = _nanogpt_loop(models, opts, spec, x, y, set_sync)
+    losses.meta["pieces"] = models["cadence"].num_buckets
+    return steps, losses
 
 
 def _nanogpt_fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
@@ -435,7 +501,9 @@ def _nanogpt_fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[S
     def set_sync(model: Any, flag: bool) -> None:
         model.set_requires_gradient_sync(flag)  # as torch's FSDP2 docs accumulate
 
-    return _nanogpt_loop(models, opts, spec, x, y, set_sync)
+    steps, losses = _nanogpt_loop(models, opts, spec, x, y, set_sync)
+    losses.meta["pieces"] = spec["layers"] + 1  # a unit per block, and the root
+    return steps, losses
 
 
 # -- pipeline ---------------------------------------------------------------------
@@ -487,17 +555,27 @@ def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps
         for k in ("torch", "torch_b")
     }  # fmt: skip
     losses = _FirstLosses()
+    losses.meta.update(
+        pieces=mods["cadence"].num_buckets,
+        stage=stage,
+        stage_param_bytes=sum(p.numel() * p.element_size() for p in mods["plain"].parameters()),
+    )
 
     def step(k: str) -> None:
         mb_losses: list[Any] = []
+        losses.mark(k)
         if k in runtimes:
             runtimes[k].step(x, target=y, losses=mb_losses)
         else:
             scheds[k].step(*((x,) if stage == 0 else ()), target=y, losses=mb_losses)
+        # The schedule's backwards are not cut out: the bound needs only the optimizer.
+        losses.mark(k)
+        losses.mark(k)
         if mb_losses and losses.wants(k):  # the last stage's ranks
             losses.note(k, torch.stack([t.detach().float() for t in mb_losses]).mean())
         opts[k].step()
         opts[k].zero_grad(set_to_none=True)
+        losses.mark(k, last=True)
 
     return {k: functools.partial(step, k) for k in VARIANTS}, losses
 
@@ -512,16 +590,41 @@ _BUILDERS: dict[str, Callable[[dict[str, Any], int, str], tuple[Steps, _FirstLos
 }
 
 
+def _bytes_per_step(fn: Callable[[], None], n: int) -> int:
+    """Bytes all ranks put on the link's loopback per call of ``fn`` (see
+    `cadence.link.loopback_bytes`), the barriers around each call taken out."""
+    import torch.distributed as dist
+
+    from cadence.link import loopback_bytes
+
+    def total(f: Callable[[], None]) -> int:
+        dist.barrier()
+        b0 = loopback_bytes()
+        for _ in range(n):
+            dist.barrier()
+            f()
+        dist.barrier()
+        return loopback_bytes() - b0
+
+    return max(0, (total(fn) - total(lambda: None)) // n)
+
+
 def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from cadence.link import active_link
+
     rank, device = dist.get_rank(), rank_device()
+    on_link = active_link() is not None
     out: dict[str, Any] = {}
     for name, spec in cases.items():
         steps, losses = _BUILDERS[spec["kind"]](spec, rank, device)
         cpu: dict[str, list[float]] = {}
         times = interleave(steps, warmup=warmup, reps=reps, cpu=cpu)
-        out[name] = {"times": times, "cpu": cpu, "losses": losses.floats()}
+        out[name] = {"times": times, "cpu": cpu, "losses": losses.floats(),
+                     "phases": losses.phases[warmup:], "meta": losses.meta}  # fmt: skip
+        if on_link:  # every rank reads the one shared counter; rank 0's is kept
+            out[name]["wire_bytes"] = {k: _bytes_per_step(f, 3) for k, f in steps.items()}
         del steps, losses
     return out
 
@@ -550,25 +653,52 @@ def _cpu_figures(per_rank: list[dict[str, Any]], wall: dict[str, list[float]]) -
     return figures
 
 
-def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
+def _reps(quick: bool, tiny: bool) -> tuple[int, int]:
+    """(warmup, reps); ``CADENCE_BENCH_REPS=W,R`` overrides them (the calibration pass
+    of ``--link calibrated`` needs only a few steps)."""
+    raw = os.environ.get("CADENCE_BENCH_REPS")
+    if raw:
+        w, r = (int(v) for v in raw.split(","))
+        return w, r
+    return (1, 2) if tiny else (3, 12) if quick else (5, 40)
+
+
+def _select(cases: dict[str, dict[str, Any]], names: list[str] | None) -> dict[str, dict[str, Any]]:
+    if names is None:
+        return cases
+    unknown = [n for n in names if n not in cases]
+    if unknown or not names:
+        raise CadenceValueError(
+            f"unknown step case(s) {', '.join(unknown) or '(none given)'}; choose from "
+            f"{', '.join(cases)}"
+        )
+    return {n: cases[n] for n in names}
+
+
+def run(
+    *, quick: bool, tiny: bool = False, world: int = 2, cases: list[str] | None = None
+) -> dict[str, Any]:
     """Run the comparison and return its record (not yet written)."""
     from cadence.bench import step
+    from cadence.link import active_link
 
-    cases = TINY if tiny else CASES
-    warmup, reps = (1, 2) if tiny else (3, 12) if quick else (5, 40)
+    chosen = _select(TINY if tiny else CASES, cases)
+    warmup, reps = _reps(quick, tiny)
     load0 = loadavg()
     # See [Note: a case with its own world].
     worlds: dict[int, dict[str, dict[str, Any]]] = {}
-    for name, spec in cases.items():
+    for name, spec in chosen.items():
         worlds.setdefault(spec.get("world", world), {})[name] = spec
     results: dict[str, list[dict[str, Any]]] = {}
     for w, group in worlds.items():
         per_rank = launch_ranks(step.rank_body, group, warmup, reps, world=w, timeout=1800)
         for name in group:
             results[name] = [r[name] for r in per_rank]
+    link = active_link()
     rows = []
-    for name, spec in cases.items():
-        t = {k: slowest_per_rep([r["times"] for r in results[name]], k) for k in VARIANTS}
+    for name, spec in chosen.items():
+        ran = list(results[name][0]["times"])
+        t = {k: slowest_per_rep([r["times"] for r in results[name]], k) for k in ran}
         plain = _median(t["plain"])
         extra = {f"limit_{k}": _median(t[k]) / plain for k in ("cadence", "cadence_sync", "torch")}
         extra.update(_cpu_figures(results[name], t))
@@ -577,8 +707,12 @@ def run(*, quick: bool, tiny: bool = False, world: int = 2) -> dict[str, Any]:
         # The first rank that computed a loss in every variant (a pipeline's first
         # stage computes none).
         row["losses"] = next(
-            (r["losses"] for r in results[name] if all(r["losses"].values())), None
+            (r["losses"] for r in results[name] if len(r["losses"]) == len(ran)), None
         )
+        if TORCH_BEST in t:
+            row["ratio_best"] = ratio_summary(paired_ratios(t["cadence"], t[TORCH_BEST]))
+        if link is not None:
+            row["link"] = link_figures(spec["kind"], results[name], t, link)
         rows.append(row)
     settings: dict[str, Any] = {"world": world, "backend": device_and_backend(world)[1]}
     for w, group in worlds.items():

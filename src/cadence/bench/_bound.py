@@ -1,0 +1,133 @@
+"""What perfect overlap allows a whole step on an emulated link, and how close each
+variant came (``cadence bench step`` on ``--link``).
+
+[Note: the bound perfect overlap allows]
+On a link, a step's communication is wire time while the cores are free. Its figures:
+
+- ``C``, compute alone: the ``plain`` variant (the same model and batch, no
+  communication), cut into ``F`` (everything before the last backward), ``B`` (the
+  last backward) and ``O`` (what follows it: the optimizer, the sparse half);
+- ``W``, wire time: the bytes all ranks put on the link's loopback per step (one
+  queue, both directions, every rank: see `cadence.link`) over the rate the link's
+  self-check measured;
+- serial = ``C + W``: nothing overlapped;
+- the bound: the shortest step the case's dependencies allow, with ``f`` = 1/pieces
+  (buckets, units) the share of one piece, taken as equal:
+
+  * data parallel (``dense``, ``recommender``, ``nanogpt_dp``):
+    ``max(C, F + f·B + W + f·O)``: the first bucket's reduction cannot start before
+    the forward and its share of the backward, the wire carries ``W`` in all, and
+    after its last byte at least the last bucket's share of ``O`` is left;
+  * sharded (``fsdp``, ``nanogpt_fsdp``): one unit's collective ``g = f·W/3``
+    (all-gather in forward, again in backward, reduce-scatter):
+    ``max(g + C, g + F + B + g + f·O, W + f·O)``: no compute before the first
+    all-gather lands, the last reduce-scatter only after the last backward;
+  * pipeline (pp x dp): ``C`` is the pipeline without data-parallel reduction (its
+    point-to-point bytes are on the wire too), ``F`` its schedule, ``O`` the
+    optimizer; ``W`` counts the reduction's bytes only (the variant's bytes less
+    ``plain``'s); the first stage's share ``s0`` (by parameter bytes) can start only
+    after its last backward, which ends the schedule:
+    ``max(C, F + s0·W + f·O)``.
+
+The cores are a resource too. gloo moves every byte with CPU work (copies through
+TCP, sums) on the same cores as the compute, so no step can be shorter than its CPU
+seconds, all ranks' threads together, over the machine's cores: the CPU bound. A
+variant's bound is the larger of its pattern's and its CPU bound; where the CPU bound
+reaches the serial time, nothing is left to hide and the efficiency is not defined
+(shown as "-": the cores, not the wire, set the step).
+
+Each pattern bound is the same for cadence and torch: a variant that steps the
+optimizer after the whole reduction (the plain loop) cannot reach it, which is part
+of what the comparison shows. Overlap efficiency = (serial - measured) / (serial -
+bound): 1.00 is perfect overlap, 0.00 none.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any
+
+__all__ = ["bound_ms", "link_figures"]
+
+_DP = ("dense", "recommender", "nanogpt_dp")
+_SHARDED = ("fsdp", "nanogpt_fsdp")
+
+
+def bound_ms(
+    kind: str, *, c: float, f_: float, b: float, o: float, w: float, pieces: int, s0: float = 1.0
+) -> float:
+    """The bound of [Note: the bound perfect overlap allows], in the unit given."""
+    f = 1.0 / max(1, pieces)
+    if kind in _DP:
+        return max(c, f_ + f * b + w + f * o)
+    if kind in _SHARDED:
+        g = f * w / 3
+        return max(g + c, g + f_ + b + g + f * o, w + f * o)
+    if kind == "pipeline":
+        return max(c, f_ + s0 * w + f * o)
+    raise ValueError(f"no bound for case kind {kind!r}")
+
+
+def _phases(per_rank: list[dict[str, Any]]) -> list[float]:
+    """Median of each phase, then the slowest rank's (the step is the slowest rank's)."""
+    per = [[statistics.median(col) for col in zip(*r["phases"], strict=True)] for r in per_rank]
+    return [max(col) for col in zip(*per, strict=True)]
+
+
+def _cpu_seconds(per_rank: list[dict[str, Any]], variant: str) -> float:
+    """A step's CPU seconds, every rank's threads together (median over repetitions)."""
+    per_rep = [float(sum(c)) for c in zip(*(r["cpu"][variant] for r in per_rank), strict=True)]
+    return statistics.median(per_rep)
+
+
+def link_figures(
+    kind: str, per_rank: list[dict[str, Any]], times: dict[str, list[float]], link: Any
+) -> dict[str, Any]:
+    """A row's link figures: the bound's inputs, and per variant its bytes, wire time,
+    serial time, bound and efficiency (all times in ms)."""
+    rate = link.measured_bps or link.spec.rate_bps
+    wire_bytes: dict[str, int] = per_rank[0]["wire_bytes"]
+    c = 1e3 * statistics.median(times["plain"])
+    phases = _phases(per_rank)
+    scale = c / sum(phases) if sum(phases) > 0 else 1.0  # phases median ≠ step median
+    f_, b, o = (scale * p for p in phases)
+    pieces = int(per_rank[0]["meta"].get("pieces") or 1)
+    s0 = 1.0
+    if kind == "pipeline":
+        by_stage: dict[int, int] = {}
+        for r in per_rank:
+            by_stage[r["meta"]["stage"]] = r["meta"]["stage_param_bytes"]
+        s0 = by_stage.get(0, 0) / max(1, sum(by_stage.values()))
+    out: dict[str, Any] = {
+        "rate_bps": rate,
+        "compute_ms": c,
+        "before_ms": f_,
+        "backward_ms": b,
+        "after_ms": o,
+        "pieces": pieces,
+        "bytes": dict(wire_bytes),
+    }
+    if kind == "pipeline":
+        out["first_stage_share"] = s0
+    for v in ("cadence", "cadence_sync", "torch", "torch_best"):
+        if v not in times or rate is None:
+            continue
+        nbytes = wire_bytes[v] - (wire_bytes["plain"] if kind == "pipeline" else 0)
+        w = 1e3 * 8 * nbytes / rate
+        serial = c + w
+        bound = bound_ms(kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0)
+        measured = 1e3 * statistics.median(times[v])
+        cpu_bound = 1e3 * _cpu_seconds(per_rank, v) / (os.cpu_count() or 1)
+        pattern_bound, bound = bound, max(bound, cpu_bound)
+        hideable = serial - bound
+        out[v] = {
+            "wire_ms": w,
+            "serial_ms": serial,
+            "pattern_bound_ms": pattern_bound,
+            "cpu_bound_ms": cpu_bound,
+            "bound_ms": bound,
+            "measured_ms": measured,
+            "efficiency": (serial - measured) / hideable if hideable > 1e-6 else None,
+        }
+    return out
