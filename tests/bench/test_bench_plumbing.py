@@ -333,6 +333,15 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
     assert record["settings"]["link_rate_asked_bps"] == 500_000_000
     assert record["settings"]["link_rate_measured_bps"] > 0
     for row in record["rows"]:
+        # One traced step per variant: its phase marks (start, last backward, its end,
+        # the step's end), and cadence's collectives, drawn as the case's timeline.
+        trace = row["trace"]
+        assert set(trace) == set(row["abs_ms"])
+        assert all(len(t["marks"]) == 4 for t in trace.values()), trace
+        assert trace["cadence"]["events"], "cadence's wrapper logged no collective"
+        assert (path.parent / f"{path.stem}-{row['case']}-timeline.png").read_bytes()[:4] == (
+            b"\x89PNG"
+        )
         lk = row["link"]
         assert lk["bytes"]["plain"] < 1024 or row["case"] == "pipeline", lk["bytes"]
         assert lk["bytes"]["cadence"] > 0 and lk["bytes"]["torch"] > 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -100,9 +101,21 @@ def run_calibrated(*, quick: bool, results: Path, cases: list[str] | None) -> in
                     record["machine"]["loadavg"][0],
                 ]
                 settings = {k: v for k, v in record["settings"].items() if not k.startswith("link")}
+                pictures = sorted(out.glob(f"step-*-{name}-timeline.png"))
+                row["_timeline_src"] = str(pictures[-1]) if pictures else None
                 rows.append(row)
-    record = make_record(KIND, quick=quick, rows=rows, load_before=load0, settings=settings)
-    path = write_record(record, results)
+        record = make_record(KIND, quick=quick, rows=rows, load_before=load0, settings=settings)
+        path = write_record(record, results)
+        # Each case's timeline, beside the record under its name: the report cites them
+        # with it.
+        for row in rows:
+            src = row.pop("_timeline_src")
+            if src is not None:
+                factor = dict(RATES)[row["rate"]]
+                dst = path.with_name(f"{path.stem}-{row['case']}-{factor}x-timeline.png")
+                shutil.copyfile(src, dst)
+                row["timeline"] = dst.name
+        write_record(record, results)
     print(format_rows(record))
     print(f"record: {path}")
     return 0

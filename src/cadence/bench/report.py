@@ -257,7 +257,7 @@ def render(
             out.append(f"No record yet: run `cadence bench {command}`.\n")
             continue
         if kind == LINK_KIND:
-            out.append(_link_tables(record))
+            out.append(_link_tables(record, page_dir))
             continue
         m = record["machine"]
         out.append(
@@ -307,7 +307,7 @@ def _eff(row: dict[str, Any], variant: str) -> str:
     return "CPU-bound" if f["efficiency"] is None else f"{f['efficiency']:.2f}"
 
 
-def _link_tables(record: dict[str, Any]) -> str:
+def _link_tables(record: dict[str, Any], page_dir: Path | None = None) -> str:
     """One table per rate of a ``step-link`` record (see `cadence.bench._calibrate`)."""
     m = record["machine"]
     lines = [
@@ -344,6 +344,13 @@ def _link_tables(record: dict[str, Any]) -> str:
                 f"| {_cell(row['ratio'])} | {_cell(best)} | {_cell(row.get('aa'))} "
                 f"| {_verdict(row)} | {row['load'][0]:.2f} / {row['load'][1]:.2f} |"
             )
+    pictures = [(r["case"], r["rate"], r["timeline"]) for r in record["rows"] if r.get("timeline")]
+    if pictures and page_dir is not None:
+        lines.append("\nOne traced step per variant, per case and rate (rank 0's clock):\n")
+        folder = Path(record.get("_path", "")).parent
+        for case, rate, name in pictures:
+            rel = os.path.relpath((folder / name).resolve(), page_dir.resolve())
+            lines.append(f"![{case}, {rate}]({rel})")
     return "\n".join(lines) + "\n"
 
 
@@ -390,8 +397,12 @@ def _cite(records: list[dict[str, Any]], into: Path) -> None:
     kept: set[str] = set()
     for record in records:
         src = Path(record["_path"])
-        for suffix in (".json", ".png"):
-            f = src.with_suffix(suffix)
+        # The record, its chart, and the pictures its rows name (a step-link record's
+        # timelines), all beside it.
+        names = [src.with_suffix(".json").name, src.with_suffix(".png").name]
+        names += [row["timeline"] for row in record.get("rows", []) if row.get("timeline")]
+        for name in names:
+            f = src.with_name(name)
             if f.exists():
                 dst = into / f.name
                 if f.resolve() != dst.resolve():

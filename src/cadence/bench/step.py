@@ -77,6 +77,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 from cadence.bench._bound import link_figures
@@ -92,7 +93,7 @@ from cadence.bench._loop import (
 from cadence.bench._record import make_record, paired_ratios, ratio_summary, timed_row
 from cadence.errors import CadenceValueError
 
-__all__ = ["CASES", "TINY", "rank_body", "run"]
+__all__ = ["CASES", "TINY", "rank_body", "run", "timeline_path", "write_chart"]
 
 VARIANTS = ("plain", "cadence", "cadence_sync", "torch", "torch_b")
 # torch's strongest configuration of the case's pattern, where it is not the plain loop
@@ -154,10 +155,17 @@ class _FirstLosses:
     and ``meta`` (how many pieces the reduction comes in, a stage's parameter bytes)."""
 
     def __init__(self) -> None:
+        from cadence.comm import EventLog
+
         self.seen: dict[str, list[Any]] = {k: [] for k in (*VARIANTS, TORCH_BEST)}
         self.phases: list[list[float]] = []
         self.meta: dict[str, Any] = {}
         self._marks: list[float] = []
+        # The traced step of each variant (see `trace`): its phase marks; and the log
+        # of cadence's variant's collectives, which its wrapper records into.
+        self.tracing = False
+        self.traced: dict[str, list[float]] = {}
+        self.log = EventLog(capacity=4096)
 
     def wants(self, k: str) -> bool:
         return len(self.seen[k]) < 2
@@ -166,12 +174,43 @@ class _FirstLosses:
         if self.wants(k):
             self.seen[k].append(loss.detach().float())
 
+    def trace(self, steps: Steps) -> dict[str, Any]:
+        """One more step of every variant, one after the other, with every variant's
+        phase marks and cadence's collectives kept, times relative to each step's start:
+        what a timeline picture draws."""
+        import torch.distributed as dist
+
+        self.tracing = True
+        out: dict[str, dict[str, list[Any]]] = {}
+        for k, fn in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            out[k] = {"marks": [t - t0 for t in self.traced.get(k, [])]}
+            if k == "cadence":
+                out[k]["events"] = [
+                    (
+                        e.kind,
+                        e.group,
+                        e.issue_t - t0,
+                        _rel(e.wait_start_t, t0),
+                        _rel(e.wait_end_t, t0),
+                    )
+                    for e in self.log.collectives()
+                    if e.issue_t >= t0
+                ]
+        self.tracing = False
+        return out
+
     def floats(self) -> dict[str, list[float]]:
         return {k: [float(x) for x in v] for k, v in self.seen.items() if v}
 
     def mark(self, k: str, *, last: bool = False) -> None:
         """A phase boundary of the ``plain`` variant (others are not timed by phase):
         its start, the start of its last backward, its end, then the step's end."""
+        if self.tracing:
+            device_sync()()
+            self.traced.setdefault(k, []).append(time.perf_counter())
         if k != "plain":
             return
         device_sync()()
@@ -180,6 +219,10 @@ class _FirstLosses:
             t = self._marks
             self.phases.append([b - a for a, b in itertools.pairwise(t)])
             self._marks = []
+
+
+def _rel(t: float | None, t0: float) -> float | None:
+    return None if t is None else t - t0
 
 
 def _tower(layers: int, width: int, d_in: int) -> Any:
@@ -211,9 +254,12 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _
     base = _tower(spec["layers"] - 1, spec["width"], spec["width"]).to(device)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(spec["batch"], spec["width"], generator=g).to(device)
+    losses = _FirstLosses()
     models = {
         "plain": copy.deepcopy(base),
-        "cadence": DataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB),
+        "cadence": DataParallel(
+            copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB, event_log=losses.log
+        ),
         "cadence_sync": DataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB),
         "torch": _ddp(copy.deepcopy(base), device),
         "torch_b": _ddp(copy.deepcopy(base), device),
@@ -224,7 +270,6 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _
     # all-reduce completes (the functional AdamW, same arithmetic as opts' AdamW).
     models[TORCH_BEST] = _ddp(copy.deepcopy(base), device)
     models[TORCH_BEST]._register_fused_optim(torch.optim.AdamW, lr=1e-4)
-    losses = _FirstLosses()
     losses.meta["pieces"] = models["cadence"].num_buckets
 
     def step(k: str) -> None:
@@ -244,7 +289,11 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _
 
 
 def _sharded(
-    impl: str, base: Any, device: str, blocks: Callable[[Any], list[Any]] | None = None
+    impl: str,
+    base: Any,
+    device: str,
+    blocks: Callable[[Any], list[Any]] | None = None,
+    event_log: Any = None,
 ) -> Any:
     """``base`` with one unit per block and the root, by cadence or torch FSDP2; the
     blocks are ``blocks(model)``, by default every Linear but the last."""
@@ -259,8 +308,8 @@ def _sharded(
         from cadence.fsdp import fully_shard
 
         for b in units:
-            fully_shard(b)
-        return fully_shard(model)
+            fully_shard(b, event_log=event_log)
+        return fully_shard(model, event_log=event_log)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -278,12 +327,14 @@ def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _F
     base = _tower(spec["layers"] - 1, spec["width"], spec["width"]).to(device)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(spec["batch"], spec["width"], generator=g).to(device)
+    losses = _FirstLosses()
     models = {"plain": copy.deepcopy(base)}
     for k in VARIANTS[1:]:
-        models[k] = _sharded("cadence" if k.startswith("cadence") else "torch", base, device)
+        impl = "cadence" if k.startswith("cadence") else "torch"
+        log = losses.log if k == "cadence" else None
+        models[k] = _sharded(impl, base, device, event_log=log)
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     models["cadence"].overlap_optimizer(opts["cadence"])
-    losses = _FirstLosses()
     losses.meta["pieces"] = spec["layers"]  # a unit per block but the head, and the root
 
     def step(k: str) -> None:
@@ -321,11 +372,13 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     sparse_group = cast(
         dist.ProcessGroup, dist.new_group(backend="gloo" if device == "cpu" else None)
     )
-    sparse_comm = Comm(sparse_group, name="sparse")
+    losses = _FirstLosses()
+    sparse_comm = Comm(sparse_group, name="sparse", event_log=losses.log)
     bags = {k: copy.deepcopy(bag) for k in VARIANTS}
     towers: dict[str, Any] = {"plain": copy.deepcopy(tower)}
     for k in ("cadence", "cadence_sync"):
-        towers[k] = DataParallel(copy.deepcopy(tower), bucket_cap_mb=BUCKET_CAP_MB)
+        log = losses.log if k == "cadence" else None
+        towers[k] = DataParallel(copy.deepcopy(tower), bucket_cap_mb=BUCKET_CAP_MB, event_log=log)
     towers["cadence"].require_manual_backward_finalization = True
     for k in ("torch", "torch_b"):
         towers[k] = _ddp(copy.deepcopy(tower), device)
@@ -339,7 +392,6 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
         names.append(TORCH_BEST)
     dense_opts = {k: torch.optim.SGD(t.parameters(), lr=1e-3) for k, t in towers.items()}
     sparse_opts = {k: torch.optim.SGD(b.parameters(), lr=1e-3) for k, b in bags.items()}
-    losses = _FirstLosses()
     losses.meta["pieces"] = towers["cadence"].num_buckets
 
     def sparse_half(k: str) -> None:
@@ -434,12 +486,11 @@ def _nanogpt_adamw(model: Any, device: str) -> Any:
 
 def _nanogpt_loop(
     models: dict[str, Any], opts: dict[str, Any], spec: dict[str, Any], x: Any, y: Any,
-    set_sync: Callable[[Any, bool], None],
+    set_sync: Callable[[Any, bool], None], losses: _FirstLosses,
 ) -> tuple[Steps, _FirstLosses]:  # fmt: skip
     """nanoGPT's step: ``accum`` microbatches, the gradient synchronized on the last
     only (``set_sync(model, flag)``), then the optimizer step and ``zero_grad``."""
     accum = spec["accum"]
-    losses = _FirstLosses()
 
     def step(k: str) -> None:
         model, total = models[k], None
@@ -469,9 +520,12 @@ def _nanogpt_dp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Ste
 
     base = _gpt(spec, tied=True).to(device)
     x, y = _tokens(spec, rank, device)
+    losses = _FirstLosses()
     models = {
         "plain": copy.deepcopy(base),
-        "cadence": DataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB),
+        "cadence": DataParallel(
+            copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB, event_log=losses.log
+        ),
         "cadence_sync": DataParallel(copy.deepcopy(base), bucket_cap_mb=BUCKET_CAP_MB),
         "torch": _ddp(copy.deepcopy(base), device),
         "torch_b": _ddp(copy.deepcopy(base), device),
@@ -482,7 +536,7 @@ def _nanogpt_dp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Ste
     def set_sync(model: Any, flag: bool) -> None:
         model.require_backward_grad_sync = flag  # nanoGPT's spelling, DDP's flag
 
-    steps, losses = _nanogpt_loop(models, opts, spec, x, y, set_sync)
+    steps, losses = _nanogpt_loop(models, opts, spec, x, y, set_sync, losses)
     losses.meta["pieces"] = models["cadence"].num_buckets
     return steps, losses
 
@@ -491,17 +545,19 @@ def _nanogpt_fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[S
     """fully_shard (+ overlap_optimizer) vs FSDP2, a unit per block plus the root."""
     base = _gpt(spec, tied=True).to(device)
     x, y = _tokens(spec, rank, device)
+    losses = _FirstLosses()
     models = {"plain": copy.deepcopy(base)}
     for k in VARIANTS[1:]:
         impl = "cadence" if k.startswith("cadence") else "torch"
-        models[k] = _sharded(impl, base, device, blocks=lambda m: list(m.blocks))
+        log = losses.log if k == "cadence" else None
+        models[k] = _sharded(impl, base, device, blocks=lambda m: list(m.blocks), event_log=log)
     opts = {k: _nanogpt_adamw(m, device) for k, m in models.items()}
     models["cadence"].overlap_optimizer(opts["cadence"])
 
     def set_sync(model: Any, flag: bool) -> None:
         model.set_requires_gradient_sync(flag)  # as torch's FSDP2 docs accumulate
 
-    steps, losses = _nanogpt_loop(models, opts, spec, x, y, set_sync)
+    steps, losses = _nanogpt_loop(models, opts, spec, x, y, set_sync, losses)
     losses.meta["pieces"] = spec["layers"] + 1  # a unit per block, and the root
     return steps, losses
 
@@ -535,9 +591,11 @@ def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps
     # One replica's batch, the same on both of its pipeline ranks (stage 0 reads the
     # tokens, the last stage the targets); another replica's differs.
     x, y = (t.flatten(0, 1) for t in _tokens(spec, pg.dp_rank, device))
+    losses = _FirstLosses()
     mods: dict[str, Any] = {"plain": chunk()}
     for k in ("cadence", "cadence_sync"):
-        mods[k] = DataParallel(chunk(), group=pg, bucket_cap_mb=BUCKET_CAP_MB)
+        log = losses.log if k == "cadence" else None
+        mods[k] = DataParallel(chunk(), group=pg, bucket_cap_mb=BUCKET_CAP_MB, event_log=log)
     for k in ("torch", "torch_b"):
         mods[k] = _ddp(chunk(), device, group=pg.dp)
     opts = {k: _nanogpt_adamw(mod, device) for k, mod in mods.items()}
@@ -545,7 +603,8 @@ def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps
     mods["cadence"].overlap_optimizer(opts["cadence"])
     runtimes = {
         k: build_pipeline(spec["schedule"], {stage: mods[k]}, n_microbatches=m, groups=pg,
-                          loss_fn=_gpt_loss, device=device)
+                          loss_fn=_gpt_loss, device=device,
+                          event_log=losses.log if k == "cadence" else None)
         for k in ("plain", "cadence", "cadence_sync")
     }  # fmt: skip
     cls = ts.get_schedule_class(torch_schedule_name(spec["schedule"]))
@@ -554,7 +613,6 @@ def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps
                n_microbatches=m, loss_fn=_gpt_loss)
         for k in ("torch", "torch_b")
     }  # fmt: skip
-    losses = _FirstLosses()
     losses.meta.update(
         pieces=mods["cadence"].num_buckets,
         stage=stage,
@@ -625,6 +683,7 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[
                      "phases": losses.phases[warmup:], "meta": losses.meta}  # fmt: skip
         if on_link:  # every rank reads the one shared counter; rank 0's is kept
             out[name]["wire_bytes"] = {k: _bytes_per_step(f, 3) for k, f in steps.items()}
+            out[name]["trace"] = losses.trace(steps)
         del steps, losses
     return out
 
@@ -713,6 +772,7 @@ def run(
             row["ratio_best"] = ratio_summary(paired_ratios(t["cadence"], t[TORCH_BEST]))
         if link is not None:
             row["link"] = link_figures(spec["kind"], results[name], t, link)
+            row["trace"] = results[name][0]["trace"]
         rows.append(row)
     settings: dict[str, Any] = {"world": world, "backend": device_and_backend(world)[1]}
     for w, group in worlds.items():
@@ -721,3 +781,21 @@ def run(
     settings.update({"warmup": warmup, "reps": reps, "bucket_cap_mb": BUCKET_CAP_MB,
                      "threads_per_rank": 1})  # fmt: skip
     return make_record("step", quick=quick, rows=rows, load_before=load0, settings=settings)
+
+
+def timeline_path(record_png: Path, case: str) -> Path:
+    """Where a case's timeline picture goes, beside its record's chart."""
+    return record_png.with_name(f"{record_png.stem}-{case}-timeline.png")
+
+
+def write_chart(record: dict[str, Any], path: Path) -> Path | None:
+    """The record's ratio chart, and on a link one timeline picture per case."""
+    from cadence.bench._record import write_chart as ratio_chart
+    from cadence.bench._timeline import write_timeline
+
+    for row in record["rows"]:
+        if "trace" in row:
+            rate = record["settings"].get("link_rate_measured_bps") or 0
+            title = f"{row['case']} on a {rate / 1e9:.3g} Gbit/s link: one traced step per variant"
+            write_timeline(row, timeline_path(path, row["case"]), title)
+    return ratio_chart(record, path)
