@@ -647,7 +647,13 @@ def add_link_subcommand(subparsers: Any) -> argparse.ArgumentParser:
 def _link(args: argparse.Namespace) -> int:
     from cadence.link import EmulatedLink, LinkSpec
 
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    # argparse's REMAINDER takes everything after RATE, this command's own flags too.
+    command = list(args.command)
+    while command and command[0] in ("--no-check", "--debug"):
+        flag = command.pop(0)
+        setattr(args, flag[2:].replace("-", "_"), True)
+    if command[:1] == ["--"]:
+        command = command[1:]
     if not command:
         raise CadenceValueError(
             "give the command to run after --, e.g. "

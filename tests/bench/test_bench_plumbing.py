@@ -354,6 +354,11 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
     # B = 5, O = 2, W = 20 in 4 pieces: max(10, 3 + 5/4 + 20 + 2/4) = 24.75.
     assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=20, pieces=4) == pytest.approx(24.75)
     assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4) == 10
+    # Sharded: g = W / (3 pieces) = 1; max(g + C, g + F + B + g + O/4, W + O/4) = 12.5.
+    assert bound_ms("fsdp", c=10, f_=3, b=5, o=2, w=12, pieces=4) == pytest.approx(12.5)
+    # Pipeline: max(C, F + s0 W + O/4, F - b0 + W + O/4) = max(10, 18.5, 27.5).
+    pp = bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=20, pieces=4, s0=0.5, b0=1)
+    assert pp == pytest.approx(27.5)
     linked = {**record, "kind": LINK_KIND, "rows": [
         {**r, "rate": "calibrated", "load": [0.0, 0.0],
          "link_settings": {k: v for k, v in record["settings"].items() if k.startswith("link")}}

@@ -145,7 +145,11 @@ def test_ctrl_c_of_cadence_link_removes_the_namespace() -> None:
     while not any(n.startswith(prefix) for n in _namespaces()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
-    time.sleep(0.5)  # let the command start inside
+    # The command itself runs inside (not a refused one that already exited).
+    name = next(n for n in _namespaces() if n.startswith(prefix))
+    while not subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=30)
     assert not any(n.startswith(prefix) for n in _namespaces())
@@ -158,6 +162,10 @@ def test_cadence_link_runs_the_command_inside_and_checks_first() -> None:
     assert proc.returncode == 0, err
     assert "link self-check: asked 300 Mbit/s; measured" in err
     assert [line.split(":")[0].strip() for line in out.splitlines()[2:]] == ["lo"]
+    # --no-check after RATE is this command's flag, not the command's first word.
+    proc = _cadence("link", "300mbit", "--no-check", "--", "sh", "-c", "exit 7")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 7 and "self-check" not in err, err
 
 
 def test_cadence_link_without_a_command_is_refused() -> None:

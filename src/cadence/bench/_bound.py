@@ -26,8 +26,11 @@ On a link, a step's communication is wire time while the cores are free. Its fig
     point-to-point bytes are on the wire too), ``F`` its schedule, ``O`` the
     optimizer; ``W`` counts the reduction's bytes only (the variant's bytes less
     ``plain``'s); the first stage's share ``s0`` (by parameter bytes) can start only
-    after its last backward, which ends the schedule:
-    ``max(C, F + s0·W + f·O)``.
+    after its last backward, which ends the schedule, and the last stage's only after
+    its own, one backward slot ``b0`` earlier (``b0`` = 2/3 of one of the schedule's
+    ``m + p - 1`` forward-and-backward slots: an estimate), on the same wire:
+    ``max(C, F + s0·W + f·O, F - b0 + W + f·O)``. A deferred reduction can hide only
+    in the cooldown: at rates where ``W`` dwarfs ``b0`` nearly nothing is hideable.
 
 The cores are a resource too. gloo moves every byte with CPU work (copies through
 TCP, sums) on the same cores as the compute, so no step can be shorter than its CPU
@@ -55,7 +58,16 @@ _SHARDED = ("fsdp", "nanogpt_fsdp")
 
 
 def bound_ms(
-    kind: str, *, c: float, f_: float, b: float, o: float, w: float, pieces: int, s0: float = 1.0
+    kind: str,
+    *,
+    c: float,
+    f_: float,
+    b: float,
+    o: float,
+    w: float,
+    pieces: int,
+    s0: float = 1.0,
+    b0: float = 0.0,
 ) -> float:
     """The bound of [Note: the bound perfect overlap allows], in the unit given."""
     f = 1.0 / max(1, pieces)
@@ -65,7 +77,7 @@ def bound_ms(
         g = f * w / 3
         return max(g + c, g + f_ + b + g + f * o, w + f * o)
     if kind == "pipeline":
-        return max(c, f_ + s0 * w + f * o)
+        return max(c, f_ + s0 * w + f * o, f_ - b0 + w + f * o)
     raise ValueError(f"no bound for case kind {kind!r}")
 
 
@@ -93,8 +105,10 @@ def link_figures(
     scale = c / sum(phases) if sum(phases) > 0 else 1.0  # phases median ≠ step median
     f_, b, o = (scale * p for p in phases)
     pieces = int(per_rank[0]["meta"].get("pieces") or 1)
-    s0 = 1.0
+    s0, b0 = 1.0, 0.0
     if kind == "pipeline":
+        meta = per_rank[0]["meta"]
+        b0 = 2 / 3 * f_ / (meta["microbatches"] + meta["stages"] - 1)
         by_stage: dict[int, int] = {}
         for r in per_rank:
             by_stage[r["meta"]["stage"]] = r["meta"]["stage_param_bytes"]
@@ -110,13 +124,14 @@ def link_figures(
     }
     if kind == "pipeline":
         out["first_stage_share"] = s0
+        out["cooldown_backward_ms"] = b0
     for v in ("cadence", "cadence_sync", "torch", "torch_best"):
         if v not in times or rate is None:
             continue
         nbytes = wire_bytes[v] - (wire_bytes["plain"] if kind == "pipeline" else 0)
         w = 1e3 * 8 * nbytes / rate
         serial = c + w
-        bound = bound_ms(kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0)
+        bound = bound_ms(kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0, b0=b0)
         measured = 1e3 * statistics.median(times[v])
         cpu_bound = 1e3 * _cpu_seconds(per_rank, v) / (os.cpu_count() or 1)
         pattern_bound, bound = bound, max(bound, cpu_bound)

@@ -616,6 +616,8 @@ def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps
     losses.meta.update(
         pieces=mods["cadence"].num_buckets,
         stage=stage,
+        stages=pp,
+        microbatches=m,
         stage_param_bytes=sum(p.numel() * p.element_size() for p in mods["plain"].parameters()),
     )
 
