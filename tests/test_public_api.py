@@ -48,3 +48,14 @@ def test_the_version_is_written_once() -> None:
     assert "version" in project["project"]["dynamic"]
     assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "cadence.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.dev\d+)?", cadence.__version__)
+
+
+def test_the_package_says_it_is_typed() -> None:
+    """PEP 561: ``py.typed`` beside the package, and declared as package data so that a
+    built wheel carries it too (a type checker then reads cadence's own annotations)."""
+    import importlib.resources
+
+    assert importlib.resources.files("cadence").joinpath("py.typed").is_file()
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    assert data == {"cadence": ["py.typed"]}

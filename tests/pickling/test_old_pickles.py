@@ -31,6 +31,8 @@ pytestmark = pytest.mark.torch_free
 OLD = Path(__file__).with_name("old_pickles")
 HERE = f"{sys.implementation.name}_{sys.version_info[0]}{sys.version_info[1]}"
 PAYLOADS = sorted(OLD.glob("*/*.pkl"))
+# A loop over a glob passes when the glob finds nothing: the frozen payloads must be here.
+assert PAYLOADS, f"no frozen payloads under {OLD}"
 
 
 def _counter(obj: Any) -> None:
@@ -125,7 +127,9 @@ def test_frozen_payload_loads_and_behaves(path: Path):
 
 
 def test_frozen_data_loads_under_an_allowlist():
-    for path in OLD.glob("*/data.p*.pkl"):
+    paths = sorted(OLD.glob("*/data.p*.pkl"))
+    assert paths, f"no frozen data payloads under {OLD}"
+    for path in paths:
         _data(pickling.loads_restricted(path.read_bytes(), pickling.Allowlist()))
 
 

@@ -32,6 +32,10 @@ On a link, a step's communication is wire time while the cores are free. Its fig
     ``max(C, F + s0·W + f·O, F - b0 + W + f·O)``. A deferred reduction can hide only
     in the cooldown: at rates where ``W`` dwarfs ``b0`` nearly nothing is hideable.
 
+Efficiency is undefined where less than a tenth of compute alone is left to hide
+(serial - bound < C/10): a ratio of two small differences is noise, not a figure;
+where the room is small, read the efficiency beside it (the report shows both).
+
 The cores are a resource too. gloo moves every byte with CPU work (copies through
 TCP, sums) on the same cores as the compute, so no step can be shorter than its CPU
 seconds, all ranks' threads together, over the machine's cores: the CPU bound. A
@@ -51,7 +55,20 @@ import os
 import statistics
 from typing import Any
 
-__all__ = ["bound_ms", "link_figures"]
+__all__ = ["bound_ms", "efficiency", "link_figures"]
+
+# Below this share of compute alone left to hide, efficiency is not defined.
+MIN_HIDEABLE = 0.10
+
+
+def efficiency(*, serial: float, bound: float, measured: float, compute: float) -> float | None:
+    """(serial - measured) / (serial - bound), or None where nothing worth a ratio is
+    left to hide (see [Note: the bound perfect overlap allows])."""
+    hideable = serial - bound
+    if hideable < MIN_HIDEABLE * compute:
+        return None
+    return (serial - measured) / hideable
+
 
 _DP = ("dense", "recommender", "nanogpt_dp")
 _SHARDED = ("fsdp", "nanogpt_fsdp")
@@ -135,7 +152,6 @@ def link_figures(
         measured = 1e3 * statistics.median(times[v])
         cpu_bound = 1e3 * _cpu_seconds(per_rank, v) / (os.cpu_count() or 1)
         pattern_bound, bound = bound, max(bound, cpu_bound)
-        hideable = serial - bound
         out[v] = {
             "wire_ms": w,
             "serial_ms": serial,
@@ -143,6 +159,6 @@ def link_figures(
             "cpu_bound_ms": cpu_bound,
             "bound_ms": bound,
             "measured_ms": measured,
-            "efficiency": (serial - measured) / hideable if hideable > 1e-6 else None,
+            "efficiency": efficiency(serial=serial, bound=bound, measured=measured, compute=c),
         }
     return out

@@ -51,6 +51,19 @@ Cases:
   + ``opt.step()`` after the schedule. ``plain`` is cadence's runtime over unwrapped
   stages: the pipeline with the data-parallel reduction removed (target <= 0.90).
 
+``torch_best``, where it differs from the plain loop ``torch`` runs, is torch's
+strongest configuration of the case's pattern: DDP with its optimizer fused into the
+reduction (``_register_fused_optim``: each parameter stepped as its bucket's all-reduce
+completes) for ``dense_adamw``, DDP's own manual finalization (torch 2.15) with the
+sparse half run while its buckets fly for ``recommender``; the row's ``ratio_best`` is
+cadence over it.
+
+On an emulated link (``cadence bench step --link RATE``, `cadence.link`), each row also
+has ``link``: the bytes each variant puts on the wire per step and the figures of
+[Note: the bound perfect overlap allows] (``_bound.py``), and ``trace``: one more step
+of every variant with its phase marks and cadence's collectives, drawn as the case's
+timeline picture beside the record.
+
 Reported per case: step time ratio and A/A, in ``extra`` each variant's step time as a
 multiple of ``plain`` (``limit_*``: 1.00 would mean communication fully hidden), how
 many cores each variant keeps busy and cadence's CPU time over torch's (see [Note:
@@ -147,12 +160,16 @@ BUCKET_CAP_MB = 1.0
 Steps = dict[str, Callable[[], None]]
 
 
-class _FirstLosses:
-    """Each variant's loss at its first two steps (see the module docstring), kept as
-    detached tensors so that noting one costs no device synchronization; and what the
-    bound of [Note: the bound perfect overlap allows] needs of the case: the ``plain``
-    variant's step cut in three (before its last backward, that backward, after it),
-    and ``meta`` (how many pieces the reduction comes in, a stage's parameter bytes)."""
+class _CaseProbe:
+    """What a case records besides its times.
+
+    - Each variant's loss at its first two steps (see the module docstring), kept as
+      detached tensors so that noting one costs no device synchronization.
+    - What the bound of [Note: the bound perfect overlap allows] needs: the ``plain``
+      variant's step cut in three (before its last backward, that backward, after
+      it), and ``meta`` (how many pieces the reduction comes in, a stage's bytes).
+    - On a link, one traced step per variant (`trace`): what its timeline draws.
+    """
 
     def __init__(self) -> None:
         from cadence.comm import EventLog
@@ -206,8 +223,9 @@ class _FirstLosses:
         return {k: [float(x) for x in v] for k, v in self.seen.items() if v}
 
     def mark(self, k: str, *, last: bool = False) -> None:
-        """A phase boundary of the ``plain`` variant (others are not timed by phase):
-        its start, the start of its last backward, its end, then the step's end."""
+        """A phase boundary of variant ``k``'s step: its start, the start of its last
+        backward, that backward's end, then the step's end. Kept for ``plain`` at every
+        step (the bound's phases) and for every variant while tracing."""
         if self.tracing:
             device_sync()()
             self.traced.setdefault(k, []).append(time.perf_counter())
@@ -244,7 +262,7 @@ def _ddp(model: Any, device: str, group: Any = None) -> Any:
     return DDP(model, **kw)
 
 
-def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _CaseProbe]:
     """One closure per variant: zero_grad, forward, backward, AdamW step."""
     import torch
 
@@ -254,7 +272,7 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _
     base = _tower(spec["layers"] - 1, spec["width"], spec["width"]).to(device)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(spec["batch"], spec["width"], generator=g).to(device)
-    losses = _FirstLosses()
+    losses = _CaseProbe()
     models = {
         "plain": copy.deepcopy(base),
         "cadence": DataParallel(
@@ -319,7 +337,7 @@ def _sharded(
     return torch_fully_shard(model, mesh=mesh)
 
 
-def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _CaseProbe]:
     """One closure per variant: zero_grad, forward, backward, AdamW step, sharded."""
     import torch
 
@@ -327,7 +345,7 @@ def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _F
     base = _tower(spec["layers"] - 1, spec["width"], spec["width"]).to(device)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(spec["batch"], spec["width"], generator=g).to(device)
-    losses = _FirstLosses()
+    losses = _CaseProbe()
     models = {"plain": copy.deepcopy(base)}
     for k in VARIANTS[1:]:
         impl = "cadence" if k.startswith("cadence") else "torch"
@@ -351,7 +369,7 @@ def _fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _F
     return {k: functools.partial(step, k) for k in VARIANTS}, losses
 
 
-def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _CaseProbe]:
     """Sparse embedding outside the wrapper, dense tower inside; SGD on both."""
     import torch
     import torch.distributed as dist
@@ -372,7 +390,7 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     sparse_group = cast(
         dist.ProcessGroup, dist.new_group(backend="gloo" if device == "cpu" else None)
     )
-    losses = _FirstLosses()
+    losses = _CaseProbe()
     sparse_comm = Comm(sparse_group, name="sparse", event_log=losses.log)
     bags = {k: copy.deepcopy(bag) for k in VARIANTS}
     towers: dict[str, Any] = {"plain": copy.deepcopy(tower)}
@@ -486,8 +504,8 @@ def _nanogpt_adamw(model: Any, device: str) -> Any:
 
 def _nanogpt_loop(
     models: dict[str, Any], opts: dict[str, Any], spec: dict[str, Any], x: Any, y: Any,
-    set_sync: Callable[[Any, bool], None], losses: _FirstLosses,
-) -> tuple[Steps, _FirstLosses]:  # fmt: skip
+    set_sync: Callable[[Any, bool], None], losses: _CaseProbe,
+) -> tuple[Steps, _CaseProbe]:  # fmt: skip
     """nanoGPT's step: ``accum`` microbatches, the gradient synchronized on the last
     only (``set_sync(model, flag)``), then the optimizer step and ``zero_grad``."""
     accum = spec["accum"]
@@ -514,13 +532,13 @@ def _nanogpt_loop(
     return {k: functools.partial(step, k) for k in VARIANTS}, losses
 
 
-def _nanogpt_dp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+def _nanogpt_dp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _CaseProbe]:
     """DataParallel (+ overlap_optimizer) vs DDP, accumulating as nanoGPT does."""
     from cadence.data_parallel import DataParallel
 
     base = _gpt(spec, tied=True).to(device)
     x, y = _tokens(spec, rank, device)
-    losses = _FirstLosses()
+    losses = _CaseProbe()
     models = {
         "plain": copy.deepcopy(base),
         "cadence": DataParallel(
@@ -541,11 +559,11 @@ def _nanogpt_dp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Ste
     return steps, losses
 
 
-def _nanogpt_fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+def _nanogpt_fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _CaseProbe]:
     """fully_shard (+ overlap_optimizer) vs FSDP2, a unit per block plus the root."""
     base = _gpt(spec, tied=True).to(device)
     x, y = _tokens(spec, rank, device)
-    losses = _FirstLosses()
+    losses = _CaseProbe()
     models = {"plain": copy.deepcopy(base)}
     for k in VARIANTS[1:]:
         impl = "cadence" if k.startswith("cadence") else "torch"
@@ -565,7 +583,7 @@ def _nanogpt_fsdp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[S
 # -- pipeline ---------------------------------------------------------------------
 
 
-def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _FirstLosses]:
+def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _CaseProbe]:
     """pp x dp: cadence's runtime over DataParallel stages stepping as each stage's
     reduction completes, vs torch pipelining over DDP stages + ``opt.step()``. One
     stage per rank (GPipe, 1F1B): a rank's stage is its pipeline position."""
@@ -591,7 +609,7 @@ def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps
     # One replica's batch, the same on both of its pipeline ranks (stage 0 reads the
     # tokens, the last stage the targets); another replica's differs.
     x, y = (t.flatten(0, 1) for t in _tokens(spec, pg.dp_rank, device))
-    losses = _FirstLosses()
+    losses = _CaseProbe()
     mods: dict[str, Any] = {"plain": chunk()}
     for k in ("cadence", "cadence_sync"):
         log = losses.log if k == "cadence" else None
@@ -640,7 +658,7 @@ def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps
     return {k: functools.partial(step, k) for k in VARIANTS}, losses
 
 
-_BUILDERS: dict[str, Callable[[dict[str, Any], int, str], tuple[Steps, _FirstLosses]]] = {
+_BUILDERS: dict[str, Callable[[dict[str, Any], int, str], tuple[Steps, _CaseProbe]]] = {
     "dense": _dense_steps,
     "fsdp": _fsdp_steps,
     "recommender": _recommender_steps,
