@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cadence._dp_layout import DataParallelGroup
+from cadence.data_parallel._errors import NothingToReduceError
 from cadence.errors import CadenceTypeError, CadenceValueError
 
 __all__ = ["DDPPlan", "resolve_ddp_args"]
@@ -270,6 +271,14 @@ def resolve_ddp_args(
             "(it says when to reduce those)."
         )
     params = [p for n, p in named.items() if n not in ignored]
+    if not any(p.requires_grad for p in params):
+        # Before the device checks, which would name an empty device list instead.
+        raise NothingToReduceError(
+            f"DataParallel: {type(module).__name__} has no parameter that requires grad "
+            f"({len(named)} parameter(s), {len(ignored)} ignored), so there is nothing to "
+            "reduce; wrap a module with trainable parameters, or do not wrap this one "
+            "(torch DDP refuses it too)."
+        )
     input_device, ids, out_device = _resolve_devices(
         params or list(named.values()), device_ids, output_device
     )

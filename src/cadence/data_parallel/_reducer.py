@@ -358,6 +358,13 @@ class Reducer:
 
     def _fill(self, b: int, scale: bool) -> None:
         """Copy (scaled) this bucket's gradients into it; adopt its views as ``.grad``."""
+        # A backward with create_graph=True runs the hooks with grad mode on and hands
+        # gradients that require grad; the reduction is not part of any graph (torch
+        # DDP's reducer, in C++, records none either), and out= ops refuse autograd.
+        with torch.no_grad():
+            self._fill_buckets(b, scale)
+
+    def _fill_buckets(self, b: int, scale: bool) -> None:
         bucket = self.buckets[b]
         present = []
         for v, p in zip(bucket.views, bucket.params):
@@ -551,7 +558,8 @@ class Reducer:
                 dst.append(p.grad)
                 src.append(view)
         if dst:
-            torch._foreach_copy_(dst, src)  # one fused write-back per bucket
+            with torch.no_grad():  # .grad of a create_graph backward requires grad
+                torch._foreach_copy_(dst, src)  # one fused write-back per bucket
 
     def _complete(self, w: _Window, missing: list[str]) -> None:
         self.grad_guard.restore()

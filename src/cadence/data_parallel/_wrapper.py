@@ -43,6 +43,14 @@ _ACCUMULATE_OUTSIDE_JOIN = (
 )
 
 
+_NO_DDP_LOGGING = (
+    "DataParallel.{}: cadence does not keep torch DDP's runtime logging data (its C++ "
+    "Logger's sampled timings and bucket statistics). The collectives, with their bytes and "
+    "issue, wait and completion times, are in dp.event_log (a cadence.EventLog); the "
+    "buckets in dp.bucket_param_names()."
+)
+
+
 class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
     """Replicated data parallelism with caller-controlled gradient finalization.
 
@@ -374,6 +382,15 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
     @property
     def static_graph(self) -> bool:
         return self._reducer.static_graph
+
+    # DDP's private runtime logging (its C++ Logger): torch's own DDP tests and some
+    # scripts call these. cadence keeps no such record; refused by name, with where the
+    # same facts are, rather than an AttributeError that says nothing.
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        raise DataParallelError(_NO_DDP_LOGGING.format("_set_ddp_runtime_logging_sample_rate"))
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        raise DataParallelError(_NO_DDP_LOGGING.format("_get_ddp_logging_data"))
 
     def _set_static_graph(self) -> None:
         """torch DDP's toggle: the graph is static from the next synced backward on."""
