@@ -206,3 +206,24 @@ def test_delay_works_or_is_refused_naming_netem() -> None:
     else:
         assert "sch_netem" in refusal and "drop delay=" in refusal, refusal
     assert not any(n.startswith(f"cadence-link-{os.getpid()}-") for n in _namespaces())
+
+
+def test_no_privilege_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An `ip` that answers as it does for a user without CAP_NET_ADMIN (the message is
+    # iproute2's own), and a `tc`: the refusal names the capability and how to get it.
+    fake = tmp_path / "ip"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1 $2" in "netns list") exit 0;; esac\n'
+        "echo 'mount --make-shared /run/netns failed: Operation not permitted' >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    (tmp_path / "tc").symlink_to(fake)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LinkUnavailableError) as info:
+        EmulatedLink(LinkSpec.parse("1gbit")).__enter__()
+    message = str(info.value)
+    assert "`ip netns add cadence-link-" in message and "Operation not permitted" in message
+    assert "needs CAP_NET_ADMIN and CAP_SYS_ADMIN" in message and "\n" not in message

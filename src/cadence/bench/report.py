@@ -338,8 +338,8 @@ def _eff(row: dict[str, Any], variant: str) -> str:
     return "CPU-bound" if cpu_bound else "nothing to hide"
 
 
-# The link's targets (issue #37): overlap efficiency >= 0.90 at the calibrated rate, and
-# per case a ratio against torch's plain loop ("torch") or its strongest configuration
+# The link's targets: overlap efficiency >= 0.90 at the calibrated rate, and per case a
+# ratio against torch's plain loop ("torch") or its strongest configuration
 # ("torch_best"); at the slower rate, never slower than torch.
 LINK_EFFICIENCY_TARGET = 0.90
 LINK_TARGETS: dict[str, tuple[str, float]] = {

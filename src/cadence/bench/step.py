@@ -59,10 +59,10 @@ sparse half run while its buckets fly for ``recommender``; the row's ``ratio_bes
 cadence over it.
 
 On an emulated link (``cadence bench step --link RATE``, `cadence.link`), each row also
-has ``link``: the bytes each variant puts on the wire per step and the figures of
-[Note: the bound perfect overlap allows] (``_bound.py``), and ``trace``: one more step
-of every variant with its phase marks and cadence's collectives, drawn as the case's
-timeline picture beside the record.
+has ``link``: the bytes each variant puts on the wire per step and the figures of the
+bound (see [Note: the bound perfect overlap allows] in ``_bound.py``), and ``trace``:
+one more step of every variant with its phase marks and cadence's collectives, drawn
+as the case's timeline picture beside the record.
 
 Reported per case: step time ratio and A/A, in ``extra`` each variant's step time as a
 multiple of ``plain`` (``limit_*``: 1.00 would mean communication fully hidden), how
