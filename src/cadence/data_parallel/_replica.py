@@ -82,11 +82,9 @@ def wrapped_parameters(
     """The parameters DataParallel reduces, refused here before any bucket or hook exists."""
     if reduce_dtype is not None and not reduce_dtype.is_floating_point:
         raise CadenceValueError(f"reduce_dtype must be a floating dtype, got {reduce_dtype}")
+    # Not empty: resolve_ddp_args (run first) refused a module with none
+    # (NothingToReduceError).
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored]
-    if not named:
-        raise CadenceValueError(
-            "DataParallel needs a module with at least one parameter requiring grad"
-        )
     if (
         gradient_as_bucket_view
         and reduce_dtype is not None
