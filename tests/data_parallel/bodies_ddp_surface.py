@@ -165,6 +165,29 @@ def set_static_graph_with_a_window_pending_is_refused() -> None:
     dp.finalize_backward()
 
 
+def a_module_with_nothing_to_reduce_is_refused_as_ddp_refuses_it() -> None:
+    """No parameter that requires grad (none at all, all frozen, all ignored): refused
+    before any collective with a RuntimeError, as torch DDP, naming the cause."""
+    from cadence.data_parallel import NothingToReduceError
+
+    frozen = make_mlp().requires_grad_(False)
+    ignored = make_mlp()
+    ignored._ddp_params_and_buffers_to_ignore = [n for n, _ in ignored.named_parameters()]
+    for module, counts in ((nn.Module(), "(0 parameter(s), 0 ignored)"),
+                           (frozen, "(10 parameter(s), 0 ignored)"),
+                           (ignored, "(10 parameter(s), 10 ignored)")):  # fmt: skip
+        err = assert_raises(
+            lambda m=module: cadence.DataParallel(m),
+            "has no parameter that requires grad",
+            counts,
+            "nothing to reduce",
+            kind=NothingToReduceError,
+        )
+        assert isinstance(err, RuntimeError) and isinstance(err, ValueError), type(err).__mro__
+    # torch's DDP refuses the same module with the same builtin type.
+    assert_raises(lambda: DDP(nn.Module()), "doesn't have any parameter", kind=RuntimeError)
+
+
 def devices_none_empty_and_dim_as_ddp_accept() -> None:
     dp = cadence.DataParallel(make_mlp(), [], None, 1)
     assert dp.device_ids is None, f"device_ids {dp.device_ids!r}"
@@ -431,6 +454,7 @@ SCENARIOS = [
     *cases(argument_error, "case", list(ARGUMENT_ERRORS)),
     *scenarios(
         set_static_graph_with_a_window_pending_is_refused,
+        a_module_with_nothing_to_reduce_is_refused_as_ddp_refuses_it,
         devices_none_empty_and_dim_as_ddp_accept,
         buffer_sync_arguments,
         ddp_ignore_list_is_neither_reduced_nor_broadcast,
