@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -107,19 +108,54 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
 
 
-def _kill_inside(name: str) -> None:
-    """SIGKILL whatever still runs in the namespace (a rank the launcher left behind)."""
-    out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, check=False)
-    for pid in out.stdout.split():
+# [Note: a process that joins as the link is removed]
+# ``ip netns exec NAME cmd`` opens the namespace, enters it, then execs ``cmd``. A
+# command started just before the link is removed may enter after the last look for
+# processes inside and after the name is gone, where ``ip netns pids NAME`` can no
+# longer see it, and outlive the link. So processes are found by the namespace's
+# inode (``/proc/PID/ns/net``), which still names it after the name is deleted, and
+# looked for again for a short grace after the delete.
+_GRACE_S = 1.0
+_POLL_S = 0.05
+
+
+def _inode(name: str) -> int | None:
+    try:
+        return os.stat(f"/run/netns/{name}").st_ino
+    except OSError:
+        return None
+
+
+def _kill_in(inode: int) -> int:
+    """SIGKILL every process in the network namespace ``inode``; how many were found."""
+    found = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+            if os.stat(f"/proc/{entry}/ns/net").st_ino != inode:
+                continue
+            os.kill(int(entry), signal.SIGKILL)
+            found += 1
+        except (OSError, ProcessLookupError):
+            pass  # gone, or not ours to read
+    return found
 
 
 def _remove(name: str) -> None:
-    _kill_inside(name)
+    """Kill what runs in the namespace (a rank the launcher left behind, a command
+    still starting) and delete it; see [Note: a process that joins as the link is
+    removed]."""
+    inode = _inode(name)
+    if inode is not None:
+        _kill_in(inode)
     subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    if inode is None:
+        return
+    deadline = time.monotonic() + _GRACE_S
+    while time.monotonic() < deadline:
+        _kill_in(inode)
+        time.sleep(_POLL_S)
 
 
 def remove_stale() -> list[str]:
