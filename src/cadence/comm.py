@@ -244,6 +244,12 @@ class Comm:
         self.algorithms = algorithms if algorithms is not None else CollectiveAlgorithms()
         self._scratch = ScratchPool()  # all-reduce exchanges only: same buckets every step
 
+    @property
+    def is_default_group(self) -> bool:
+        """Whether this communicator runs on the default (world) group, the one a
+        process rebuilds without being told which (see [Note: pickling a wrapper])."""
+        return self.group is dist.group.WORLD
+
     # -- helpers --------------------------------------------------------------
 
     def _event(self, kind: str, tensor: torch.Tensor | None, **meta: Any) -> CommEvent | None:

@@ -126,3 +126,77 @@ OTHER_WORLDS = [
     Scenario(f"matches_single_process_and_ddp-{name}", _assert_parity, {"config": config})
     for name, config in OTHER_CONFIGS.items()
 ]
+
+
+# -- higher-order gradients ---------------------------------------------------------
+# A gradient penalty first differentiates the output with respect to the *input*
+# (autograd.grad, create_graph=True), a backward that computes no parameter gradient,
+# then backpropagates the penalty through that graph into the parameters. torch DDP
+# reduces only the backward that reaches the parameters; so must cadence. A
+# backward(create_graph=True) leaves gradients that carry a graph, reduced values in
+# them, as DDP's. torch DDP itself raises on this MLP under create_graph ("a leaf
+# Variable that requires grad is being used in an in-place operation", torch 2.15);
+# its one create_graph test (a scalar parameter) runs against cadence in
+# test_torch_ddp_suite, so here the create_graph form is judged by one process alone.
+PENALTY_FORMS = ("penalty_alone", "penalty_plus_loss", "create_graph")
+
+
+def _higher_order_backward(model: Any, x: torch.Tensor, y: torch.Tensor, form: str) -> None:
+    if form == "create_graph":
+        F.mse_loss(model(x), y).backward(create_graph=True)
+        return
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    penalty = (gx.norm(dim=1) - 1).pow(2).mean()
+    (penalty if form == "penalty_alone" else F.mse_loss(out, y) + penalty).backward()
+
+
+def higher_order_gradients_match_ddp(form: str, mode: str) -> None:
+    """A gradient penalty or a create_graph backward reduces as torch DDP and one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_mlp(3)
+    # Without the last bias every parameter shapes d out / d x, so the penalty alone
+    # reaches them all (the last bias would get no gradient: unused, for DDP too).
+    model[-1].bias = None
+    ref, ddp = copy.deepcopy(model), DDP(copy.deepcopy(model))
+    dp = cadence.DataParallel(copy.deepcopy(model))
+    dp.require_manual_backward_finalization = mode == "manual"
+    for step in range(3):
+        x, y = global_batch(step, world)
+        xl, yl = local(x, rank, world), local(y, rank, world)
+        for m in (dp, ddp, ref):
+            m.zero_grad(set_to_none=True)
+        _higher_order_backward(dp, xl, yl, form)
+        if mode == "manual":
+            dp.finalize_backward()
+        with_ddp = form != "create_graph"
+        if with_ddp:
+            _higher_order_backward(ddp, xl, yl, form)
+        # One process on the global batch: every loss is a mean over equal local batches.
+        _higher_order_backward(ref, x, y, form)
+        g, gr = strip(named_grads(dp)), named_grads(ref)
+        oracles = [("one process", gr)] + ([("DDP", strip(named_grads(ddp)))] if with_ddp else [])
+        for oracle, other in oracles:
+            assert set(g) == set(other), f"rank {rank}: grads of {set(g)} vs {oracle} {set(other)}"
+            diff = max_abs_diff(g, other)
+            assert diff < 1e-6, f"rank {rank} step {step} {form}/{mode}: vs {oracle} {diff:.3e}"
+        carries = {n: p.grad.requires_grad for n, p in dp.module.named_parameters()}
+        expected = {n: p.grad.requires_grad for n, p in ref.named_parameters()}
+        assert carries == expected, f"rank {rank}: grad requires_grad {carries} vs {expected}"
+        with torch.no_grad():
+            for m in (dp, ddp, ref) if with_ddp else (dp, ref):
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+
+
+HIGHER_ORDER = [
+    Scenario(
+        f"higher_order_gradients_match_ddp-{form}-{mode}",
+        higher_order_gradients_match_ddp,
+        {"form": form, "mode": mode},
+    )
+    for form in PENALTY_FORMS
+    for mode in ("auto", "manual")
+]
+SCENARIOS += HIGHER_ORDER

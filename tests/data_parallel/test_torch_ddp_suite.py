@@ -54,8 +54,6 @@ CPU_RUNNABLE = (
 
 # What cadence does not do yet, per test; each must still fail with cadence.
 KNOWN_GAPS = {
-    "test_DistributedDataParallelCPU": "torch.save(model) of the wrapped model and its reload",
-    "test_DistributedDataParallelCPU_grad_is_view": "torch.save(model) and its reload",
     "test_ddp_logging_data_cpu": "DDP's runtime logging data (refused by name)",
 }
 

@@ -407,7 +407,7 @@ class Reducer:
     def end_backward(self) -> None:
         """End-of-backward callback (queued from the graph task that armed the window)."""
         w = self.window
-        if w is None or not w.sync:
+        if w is None or not w.sync or self._computed_no_parameter_gradient(w):
             # A non-syncing backward is over: the next one re-reads the flags.
             self.window = None
             return
@@ -432,6 +432,25 @@ class Reducer:
         except BaseException as exc:
             self.failure = exc
             raise
+
+    def _computed_no_parameter_gradient(self, w: _Window) -> bool:
+        """The backward ran through the wrapper's outputs but reached no parameter.
+
+        [Note: backwards that compute no parameter gradient]
+        ``torch.autograd.grad(out, x)`` with respect to inputs (the first half of a
+        gradient penalty), or ``backward(inputs=[x])``, runs the sink but no
+        parameter's gradient accumulator, so no hook fires. torch DDP reduces nothing
+        then (its reducer is driven by those hooks alone) and reduces the backward
+        that does reach the parameters, such as the penalty's. The window is dropped
+        the same way here, which is safe because it issued no collective (every rank
+        that runs the same code drops it too). Not when the wrapped parameters were
+        replaced or changed behind the wrapper (``explain`` names what happened):
+        then the gradients went to other tensors, and finalize raises saying so. A
+        backward that reached some parameters but not all still raises at finalize.
+        """
+        if w.counts or w.next_bucket or w.used_map_work is not None or w.deferred:
+            return False
+        return not self.explain([name for name, _ in self.params])
 
     def begin_split_part(self, part: str) -> None:
         """Enter a part of a split backward (see [Note: split backward parts])."""

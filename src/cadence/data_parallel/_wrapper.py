@@ -28,6 +28,7 @@ from cadence.data_parallel._ddp_args import UNSET, DDPPlan, resolve_ddp_args
 from cadence.data_parallel._errors import DataParallelError
 from cadence.data_parallel._join import JoinableDataParallel, join_forward, refuse_inside_join
 from cadence.data_parallel._overlap import OverlapOptimizer, OverlappedOptimizers
+from cadence.data_parallel._pickling import pickled_state
 from cadence.data_parallel._reducer import ForwardToken, Reducer, WindowState
 from cadence.data_parallel._replica import Replica, wrapped_parameters
 from cadence.data_parallel._sink import Sink, used_params
@@ -124,6 +125,29 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
         event_log: EventLog | None = None,
     ) -> None:
         super().__init__()
+        # What rebuilds this wrapper when it is unpickled (see [Note: pickling a
+        # wrapper]): every argument but the group, which must be the default one.
+        self._init_kwargs: dict[str, Any] = {
+            "device_ids": device_ids,
+            "output_device": output_device,
+            "dim": dim,
+            "broadcast_buffers": broadcast_buffers,
+            "bucket_cap_mb": bucket_cap_mb,
+            "find_unused_parameters": find_unused_parameters,
+            "check_reduction": check_reduction,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+            "delay_all_reduce_named_params": delay_all_reduce_named_params,
+            "param_to_hook_all_reduce": param_to_hook_all_reduce,
+            "mixed_precision": mixed_precision,
+            "skip_all_reduce_unused_params": skip_all_reduce_unused_params,
+            "bucket_cap_mb_list": bucket_cap_mb_list,
+            "batched_grad_copy": batched_grad_copy,
+            "forward_sync_buffers": forward_sync_buffers,
+            "reduce_dtype": reduce_dtype,
+        }
+        if first_bucket_cap_mb is not UNSET:  # a sentinel: its identity does not survive a pickle
+            self._init_kwargs["first_bucket_cap_mb"] = first_bucket_cap_mb
         plan = resolve_ddp_args(
             module,
             group=group,
@@ -154,6 +178,18 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
             self._verify_and_broadcast(named, with_buffers=plan.init_sync_buffers)
         self._build_reducer(plan, named, find_unused_parameters, static_graph)
         self._install_hooks(named)
+
+    # -- pickling ---------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``torch.save(model)`` and ``copy.deepcopy``: see [Note: pickling a wrapper]."""
+        return pickled_state(self, self._init_kwargs)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # The constructor again, without its collectives: this may run on one rank.
+        self.__init__(state["module"], **{**state["init_kwargs"], "init_sync": False})  # type: ignore[misc]
+        for name, value in state["flags"].items():
+            setattr(self, name, value)
 
     # -- construction ---------------------------------------------------------
 
