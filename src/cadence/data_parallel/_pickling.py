@@ -23,10 +23,8 @@ from typing import Any
 
 from cadence.data_parallel._errors import DataParallelError
 
-__all__ = ["FLAGS", "GROUP_ARGS", "check_picklable", "pickled_state"]
+__all__ = ["FLAGS", "check_picklable", "pickled_state"]
 
-# The constructor's arguments that name a process group: only the default group travels.
-GROUP_ARGS = ("process_group", "group", "device_mesh")
 # Flags a user may set after construction, with the attribute that holds each.
 FLAGS = (
     "require_manual_backward_finalization",
