@@ -276,6 +276,29 @@ def test_records_on_the_primary_torch_win_and_older_ones_are_history(tmp_path: P
     assert "| dp | 2026-01-02T00:00:00Z | 2.13.0+cpu | mlp, step time: 0.90 (<= 0.95) |" in earlier
 
 
+def test_a_run_on_a_link_sits_beside_the_unshaped_one(tmp_path: Path) -> None:
+    """``cadence bench pp --link 200mbit`` is newer than the unshaped pp run, but it never
+    stands in for it: the page shows both, the linked one under its own heading with
+    the command that reproduces it."""
+    primary = f"{PRIMARY_TORCH}.0+cu132"
+    _fake_record(tmp_path, "pp-unshaped", primary, "2026-01-01T00:00:00Z", kind="pp")
+    _fake_record(tmp_path, "pp-link", primary, "2026-01-02T00:00:00Z", kind="pp")
+    linked = json.loads((tmp_path / "pp-link.json").read_text())
+    linked["settings"] = {
+        "link": "200000000bit",
+        "link_rate_asked_bps": 200_000_000,
+        "link_rate_measured_bps": 203_926_886.0,
+    }
+    (tmp_path / "pp-link.json").write_text(json.dumps(linked))
+    latest = latest_records(tmp_path)
+    assert latest["pp"]["created"] == "2026-01-01T00:00:00Z"
+    assert latest["pp@200000000bit"]["created"] == "2026-01-02T00:00:00Z"
+    page = render(latest)
+    unshaped, on_link = page.split("on an emulated link of 200 Mbit/s (measured 204 Mbit/s)")
+    assert "`cadence bench pp`, 2026-01-01T00:00:00Z" in unshaped
+    assert "`cadence bench pp --link 200mbit`, 2026-01-02T00:00:00Z" in on_link
+
+
 def test_a_fresh_clone_reruns_one_kind_and_keeps_the_others_and_the_prose(
     tmp_path: Path,
 ) -> None:

@@ -218,14 +218,25 @@ def _records(*folders: Path) -> list[dict[str, Any]]:
     return out
 
 
+def record_key(record: dict[str, Any]) -> str:
+    """A record's place on the page: its kind, or ``kind@LINK`` for a run on an
+    emulated link (``--link RATE``), which never stands in for the unshaped run."""
+    link = record.get("settings", {}).get("link")
+    if link and record["kind"] != LINK_KIND:
+        return f"{record['kind']}@{link}"
+    return str(record["kind"])
+
+
 def latest_records(*folders: Path) -> dict[str, dict[str, Any]]:
-    """kind -> the newest full record on the primary torch (else the newest quick one;
-    a kind with no record on the primary torch falls back to its newest on any)."""
+    """`record_key` -> the newest full record on the primary torch (else the newest
+    quick one; a key with no record on the primary torch falls back to its newest on
+    any)."""
     best: dict[str, tuple[tuple[bool, bool, str], dict[str, Any]]] = {}
     for record in _records(*folders):
         key = (torch_release(record) == PRIMARY_TORCH, not record["quick"], record["created"])
-        if record["kind"] not in best or key > best[record["kind"]][0]:
-            best[record["kind"]] = (key, record)
+        place = record_key(record)
+        if place not in best or key > best[place][0]:
+            best[place] = (key, record)
     return {k: v for k, (_, v) in best.items()}
 
 
@@ -280,37 +291,67 @@ def render(
         if kind == LINK_KIND:
             out.append(_link_tables(record, page_dir))
             continue
-        m = record["machine"]
-        out.append(
-            f"`cadence bench {kind}{' --quick' if record['quick'] else ''}`, {record['created']}: "
-            f"{m['cpu_count']} CPUs{', ' + m['cuda'] if m.get('cuda') else ''}, torch "
-            f"{m.get('torch')}, load average {m['loadavg_before'][0]:.2f} before / "
-            f"{m['loadavg'][0]:.2f} after. Settings: "
-            + ", ".join(f"{k} {v}" for k, v in record["settings"].items())
-            + ".\n"
-        )
-        out.append("| case | measure | ratio median (quartiles; range) | A/A | target | other |")
-        out.append("| --- | --- | --- | --- | --- | --- |")
-        for row in record["rows"]:
-            case = f"{row['case']}" + (f" ({row['what']})" if row.get("what") else "")
-            out.append(
-                f"| {case} | {row['metric']} | {_cell(row['ratio'])} | {_cell(row.get('aa'))} "
-                f"| {_verdict(row)} | {_extra(row)} |"
-            )
-        if record.get("slopes"):
-            out.append(f"\n{_SLOPES.get(kind, 'Fitted log-log slopes:')}\n")
-            for name, fits in record["slopes"].items():
-                out.append(
-                    f"- {name}: "
-                    + ", ".join(f"{k} {v:.2f}" for k, v in fits.items() if v is not None)
-                )
-        chart = Path(record.get("_path", "")).with_suffix(".png")
-        if page_dir is not None and chart.name and chart.exists():
-            rel = os.path.relpath(chart.resolve(), page_dir.resolve())
-            out.append(f"\n![cadence bench {kind}]({rel})")
-        out.append("")
+        out.append(_kind_table(kind, record, page_dir))
+        for place in sorted(k for k in records if k.startswith(f"{kind}@")):
+            linked = records[place]
+            out.append(f"\n### {_TITLES[kind]}, on an emulated link of {_link_label(linked)}\n")
+            out.append(_kind_table(kind, linked, page_dir, link=_link_flag(linked)))
     if older:
         out.append(_history_section(older, page_dir))
+    return "\n".join(out)
+
+
+def _link_label(record: dict[str, Any]) -> str:
+    """The link a record ran on, as asked and as its self-check measured it."""
+    st = record["settings"]
+    asked, got = st.get("link_rate_asked_bps"), st.get("link_rate_measured_bps")
+    label = f"{asked / 1e6:g} Mbit/s" if asked else str(st["link"])
+    if got:
+        label += f" (measured {got / 1e6:.0f} Mbit/s)"
+    return label
+
+
+def _link_flag(record: dict[str, Any]) -> str:
+    """The ``--link`` value that reproduces a record's link."""
+    st = record["settings"]
+    asked = st.get("link_rate_asked_bps")
+    return f"{asked / 1e6:g}mbit" if asked else str(st["link"])
+
+
+def _kind_table(
+    kind: str, record: dict[str, Any], page_dir: Path | None, link: str | None = None
+) -> str:
+    """One record's table, with its settings line and its chart."""
+    out: list[str] = []
+    m = record["machine"]
+    flags = (" --quick" if record["quick"] else "") + (f" --link {link}" if link else "")
+    out.append(
+        f"`cadence bench {kind}{flags}`, {record['created']}: "
+        f"{m['cpu_count']} CPUs{', ' + m['cuda'] if m.get('cuda') else ''}, torch "
+        f"{m.get('torch')}, load average {m['loadavg_before'][0]:.2f} before / "
+        f"{m['loadavg'][0]:.2f} after. Settings: "
+        + ", ".join(f"{k} {v}" for k, v in record["settings"].items())
+        + ".\n"
+    )
+    out.append("| case | measure | ratio median (quartiles; range) | A/A | target | other |")
+    out.append("| --- | --- | --- | --- | --- | --- |")
+    for row in record["rows"]:
+        case = f"{row['case']}" + (f" ({row['what']})" if row.get("what") else "")
+        out.append(
+            f"| {case} | {row['metric']} | {_cell(row['ratio'])} | {_cell(row.get('aa'))} "
+            f"| {_verdict(row)} | {_extra(row)} |"
+        )
+    if record.get("slopes"):
+        out.append(f"\n{_SLOPES.get(kind, 'Fitted log-log slopes:')}\n")
+        for name, fits in record["slopes"].items():
+            out.append(
+                f"- {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in fits.items() if v is not None)
+            )
+    chart = Path(record.get("_path", "")).with_suffix(".png")
+    if page_dir is not None and chart.name and chart.exists():
+        rel = os.path.relpath(chart.resolve(), page_dir.resolve())
+        out.append(f"\n![cadence bench {kind}]({rel})")
+    out.append("")
     return "\n".join(out)
 
 
