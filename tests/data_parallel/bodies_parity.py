@@ -162,6 +162,7 @@ def higher_order_gradients_match_ddp(form: str, mode: str) -> None:
     ref, ddp = copy.deepcopy(model), DDP(copy.deepcopy(model))
     dp = cadence.DataParallel(copy.deepcopy(model))
     dp.require_manual_backward_finalization = mode == "manual"
+    with_ddp = form != "create_graph"
     for step in range(3):
         x, y = global_batch(step, world)
         xl, yl = local(x, rank, world), local(y, rank, world)
@@ -170,7 +171,6 @@ def higher_order_gradients_match_ddp(form: str, mode: str) -> None:
         _higher_order_backward(dp, xl, yl, form)
         if mode == "manual":
             dp.finalize_backward()
-        with_ddp = form != "create_graph"
         if with_ddp:
             _higher_order_backward(ddp, xl, yl, form)
         # One process on the global batch: every loss is a mean over equal local batches.
