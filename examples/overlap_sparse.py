@@ -3,7 +3,8 @@
 Run:  python examples/overlap_sparse.py [--steps 5]
 
 A DLRM-shaped toy model: an ``nn.EmbeddingBag(sparse=True)`` (outside the
-wrapper, its own SGD: sparse gradients cannot go through a dense bucket) feeds a
+wrapper, with its own SGD and its own exchange, so that this work can run while the
+dense reduction flies; inside the wrapper it would get a sparse bucket) feeds a
 dense MLP wrapped in `cadence.DataParallel` with manual finalization.
 
 With torch DDP the end of ``loss.backward()`` blocks until every dense

@@ -50,7 +50,7 @@ from typing import Any, Literal, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from cadence._event_log import CommEvent, EventLog
+from cadence._event_log import CommEvent, EventLog, phase
 from cadence._exchange import (
     CollectiveAlgorithms,
     ScratchPool,
@@ -69,6 +69,7 @@ __all__ = [
     "EventLog",
     "ReduceOpName",
     "ReductionHandle",
+    "phase",
 ]
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]

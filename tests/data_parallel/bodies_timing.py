@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cadence
+from cadence.data_parallel import WindowState
 from cadence.testing import max_abs_diff, named_grads
 from tests._scenarios import assert_raises, cases, scenarios
 from tests.data_parallel.common import (
@@ -27,7 +28,9 @@ from tests.data_parallel.common import (
 
 
 def _counting() -> tuple[cadence.DataParallel, cadence.EventLog, Any]:
-    """Five one-parameter-pair buckets, an event log, and one backward on this rank's batch."""
+    """Four buckets (one per hidden layer's weight and bias; packed from the last
+    layer, the small head shares the last hidden layer's), an event log, and one
+    backward on this rank's batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
     log = cadence.EventLog()
     dp = cadence.DataParallel(
@@ -61,7 +64,7 @@ def _same_on_every_rank(value: Any, what: str) -> None:
 
 def synced_step_issues_one_all_reduce_per_bucket() -> None:
     dp, log, step = _counting()
-    assert dp.num_buckets == 5, f"{dp.num_buckets} buckets"
+    assert dp.num_buckets == 4, f"{dp.num_buckets} buckets"
     log.clear()
     step()
     assert log.count("all_reduce") == dp.num_buckets, log.counts()
@@ -179,7 +182,7 @@ def accumulation_matches_reference(kind: str) -> None:
         for i in range(k):
             micro(i).backward()
         dp.set_requires_gradient_sync(True)
-        assert dp.state is cadence.WindowState.ACCUMULATING
+        assert dp.state is WindowState.ACCUMULATING
         dp.finalize_backward()
     elif kind == "interleaved":
         # 1F1B-like: all forwards outstanding, backwards FIFO, setter flipped before the last.

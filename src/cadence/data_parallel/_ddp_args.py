@@ -18,13 +18,14 @@ an argument is refused only where accepting it would change the result:
 - ``init_sync``: False skips the shape check and the init broadcast.
 - ``process_group`` / ``device_mesh``: the same as ``group=`` (one of the three).
 - ``bucket_cap_mb`` / ``bucket_cap_mb_list``: bucket caps, as DDP: left at ``None``
-  the first bucket (reduced last) is capped at 1 MiB and the others at 25 MiB; an
-  explicit cap applies to every bucket; a list gives per-bucket caps in
-  registration order, its last entry repeating. cadence packs buckets in
-  registration order (the small bucket is reduced last, to keep the exposed tail
-  of backward short); DDP, after its first step, packs in gradient-ready order, so
-  with explicit caps the bucket boundaries (and counts) can differ. The
-  gradients are the same.
+  the first bucket launched is capped at 1 MiB and the others at 25 MiB; an
+  explicit cap applies to every bucket; a list gives per-bucket caps in launch
+  order, its last entry repeating. cadence packs in reverse registration order,
+  the layout DDP reduces with after its first step (it rebuilds its buckets in
+  gradient-ready order); see [Note: buckets are packed in the order gradients
+  arrive]. Where a model's gradients arrive in another order than the reverse of
+  its registration, DDP's rebuilt boundaries can differ; the gradients are the
+  same.
 - ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``: honoured.
 - ``delay_all_reduce_named_params``: those parameters form one bucket of their own,
   reduced at the end of backward after every other bucket. ``param_to_hook_all_reduce``
@@ -76,7 +77,7 @@ class DDPPlan:
     input_device: torch.device | None  # forward moves inputs here (device_ids)
     device_ids: list[int] | None
     output_device: int | None
-    bucket_caps_mb: tuple[float, ...]  # registration order; the last one repeats
+    bucket_caps_mb: tuple[float, ...]  # launch order; the last one repeats
     reduce_dtype: torch.dtype | None
     init_sync: bool
     init_sync_buffers: bool

@@ -52,10 +52,10 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from cadence.comm import Comm, CommWork
-from cadence.data_parallel._buckets import Bucket, views_into
+from cadence.data_parallel._buckets import Bucket, empty_sparse_like, views_into
 from cadence.data_parallel._errors import DataParallelError
 from cadence.data_parallel._reducer import FutureWork, Reducer
-from cadence.data_parallel.comm_hooks import GradBucket
+from cadence.data_parallel.comm_hooks import GradBucket, is_future
 from cadence.errors import CadenceValueError
 
 __all__ = [
@@ -221,6 +221,10 @@ class _DataParallelJoin(Join):
 
 def _zero_replica(bucket: Bucket) -> Bucket:
     """The bucket with a fresh zero buffer: what a joined rank contributes (nothing)."""
+    if bucket.sparse:
+        return dataclasses.replace(
+            bucket, buffer=empty_sparse_like(bucket.params[0], bucket.buffer.dtype)
+        )
     buffer = torch.zeros_like(bucket.buffer)
     return dataclasses.replace(bucket, buffer=buffer, views=views_into(buffer, bucket.params))
 
@@ -256,11 +260,7 @@ class DataParallelJoinHook(JoinHook):
             if r.comm_hook is not None:
                 state, hook = r.comm_hook
                 result = hook(state, GradBucket(replica, r.comm, is_last=bucket.index == last))
-                works.append(
-                    FutureWork(result, replica)
-                    if isinstance(result, torch.futures.Future)
-                    else result
-                )
+                works.append(FutureWork(result, replica) if is_future(result) else result)
             else:
                 works.append(r.comm.all_reduce(replica.buffer, async_op=True))
         if r.find_unused:

@@ -31,10 +31,10 @@ import torch
 
 from cadence import _autograd
 from cadence._pending_grad import GradGuard
-from cadence.comm import Comm, CommWork, ReductionHandle
-from cadence.data_parallel._buckets import Bucket
+from cadence.comm import Comm, CommWork, ReductionHandle, phase
+from cadence.data_parallel._buckets import Bucket, empty_sparse_like
 from cadence.data_parallel._errors import DataParallelError
-from cadence.data_parallel.comm_hooks import GradBucket
+from cadence.data_parallel.comm_hooks import GradBucket, hook_result_error, is_future
 
 __all__ = ["DataParallelError", "ForwardToken", "FutureWork", "Reducer", "WindowState"]
 
@@ -69,6 +69,8 @@ class _Window:
     learning: bool = False  # static_graph's first synced iteration
     fast: bool = False  # see [Note: the hook's fast path]
     written: set[int] = field(default_factory=set)  # buckets written back one by one
+    task: int = -1  # the autograd graph task that armed it (-1: armed outside backward)
+    premarked: set[int] = field(default_factory=set)  # find_unused: marked ready as unused
 
 
 # What a comm hook's future yields: the reduced buffer, or torch DDP's ``[buffer]``.
@@ -91,7 +93,9 @@ class FutureWork:
             return
         value = self._fut.wait()
         result = value[0] if isinstance(value, (list, tuple)) else value
-        if result is not None and result.data_ptr() != self._bucket.buffer.data_ptr():
+        if self._bucket.sparse and result is not None:
+            self._bucket.buffer = result  # see [Note: sparse buckets] in _buckets.py
+        elif result is not None and result.data_ptr() != self._bucket.buffer.data_ptr():
             self._bucket.buffer.copy_(result.reshape(-1))
         self._done = True
 
@@ -137,10 +141,12 @@ class Reducer:
         self.adopt = [
             not gradient_as_bucket_view
             and not find_unused_parameters
+            and not b.sparse
             and all(p.dtype == b.buffer.dtype for p in b.params)
             for b in buckets
         ]
         self.expected_counts: dict[int, int] | None = None  # learned under static_graph
+        self.static_unused: frozenset[int] = frozenset()  # ... and the globally unused ones
         self.comm_hook: tuple[Any, Callable[..., Any]] | None = None
         self.wire_divide = True  # pre-divide before SUM unless a custom hook owns averaging
         # Inside a join with divide_by_initial_world_size=False: the number of active
@@ -231,6 +237,10 @@ class Reducer:
         w = self.window
         if self.split_part == "weight" and w is not None:
             return  # armed when the weight part began; its autograd calls share it
+        task = _autograd.current_graph_task_id()
+        if w is not None and not w.ended and task != -1 and w.task == task:
+            self._another_output(w, token)
+            return
         if w is not None and w.sync:
             raise DataParallelError(
                 "a new backward started while the previous synced backward's reductions are "
@@ -239,9 +249,9 @@ class Reducer:
             )
         no_sync = token.no_sync if token is not None else False
         sync = self.require_sync and not no_sync
-        window = _Window(sync=sync)
+        window = _Window(sync=sync, task=task)
         self.window = window
-        if _autograd.in_backward():
+        if task != -1:
             _autograd.queue_callback(self.end_backward)
         if not sync:
             return
@@ -255,11 +265,37 @@ class Reducer:
             for i in range(len(self.params)):
                 if i not in token.used:
                     self._mark_ready(i)
+                    window.premarked.add(i)
         if self.expected_counts is not None:
             for i, n in self.expected_counts.items():
                 if n == 0:
                     self._mark_ready(i)
         self._launch_ready()
+
+    def _another_output(self, w: _Window, token: ForwardToken | None) -> None:
+        """A second output of the wrapper reached by the backward that armed ``w``.
+
+        [Note: several forwards, one backward]
+        ``loss = f(model(a)) + g(model(b)); loss.backward()`` runs one sink per
+        forward inside one graph task: one backward, one window, as under DDP. With
+        ``find_unused_parameters`` the parameters this forward used are no longer
+        unused: their early "ready" marks are taken back, which is possible while
+        their buckets have not launched (the sinks run before any parameter's
+        gradient, as they sit right after the loss).
+        """
+        if not w.sync or token is None or token.used is None or not w.premarked:
+            return
+        for i in sorted(w.premarked & token.used):
+            b = self.param_bucket[i]
+            if w.works[b] is not None:
+                raise DataParallelError(
+                    f"parameter '{self.params[i][0]}' was taken as unused by this backward and "
+                    "its bucket was reduced, but another output of the wrapper that uses it "
+                    "reached the same backward later. Fix: sum the outputs' losses before "
+                    "calling backward on them, or use find_unused_parameters=False."
+                )
+            w.pending[b] += 1
+            w.premarked.discard(i)
 
     def on_grad_ready(self, index: int) -> None:
         """Post-accumulate-grad hook of parameter ``index``.
@@ -333,11 +369,15 @@ class Reducer:
             self._launch_used_map()
 
     def _launch(self, b: int) -> None:
+        with phase("dp.bucket_launch"):  # the fill (or hook) and the all-reduce's issue
+            self._launch_bucket(b)
+
+    def _launch_bucket(self, b: int) -> None:
         bucket = self.buckets[b]
         w = self.window
         assert w is not None
         scale = self.wire_divide and self.comm_hook is None and self.comm.world_size > 1
-        if not self.bucket_view:
+        if not self.bucket_view or bucket.sparse:
             try:
                 self._fill(b, scale)
             except RuntimeError as exc:  # e.g. a gradient of a dtype its bucket does not hold
@@ -345,16 +385,44 @@ class Reducer:
                 if why:
                     raise DataParallelError(why) from exc
                 raise
-        elif scale:
-            bucket.buffer.div_(self._divide_by())
+        else:
+            if self.keeps_grads_none:  # else every .grad is its view since the forward
+                with torch.no_grad():
+                    self._into_views(bucket)
+            if scale:
+                bucket.buffer.div_(self._divide_by())
         if self.comm_hook is not None:
             state, hook = self.comm_hook
             result = hook(state, GradBucket(bucket, self.comm, is_last=b == len(self.buckets) - 1))
-            if isinstance(result, torch.futures.Future):
+            if is_future(result):
                 result = FutureWork(result, bucket)
+            elif not callable(getattr(result, "wait", None)):
+                self.failure = DataParallelError(hook_result_error(hook, result))
+                raise self.failure
             w.works[b] = CommWork(result)
             return
         w.works[b] = self.comm.all_reduce(bucket.buffer, async_op=True)
+
+    @property
+    def keeps_grads_none(self) -> bool:
+        """A parameter may end a synced backward with ``.grad`` None, as under DDP.
+
+        With ``find_unused_parameters`` or ``static_graph`` a parameter that no rank
+        used keeps its gradient as it was; so with ``gradient_as_bucket_view`` its view
+        is not attached before backward (that would turn None into zeros, which an
+        optimizer steps). Such a parameter's gradient is copied into its view at launch.
+        """
+        return self.find_unused or self.static_graph
+
+    def _into_views(self, bucket: Bucket) -> None:
+        """With bucket views: gradients not in their views yet are moved in (DDP does too)."""
+        for v, p in zip(bucket.views, bucket.params):
+            g = p.grad
+            if g is None:
+                v.zero_()  # reduced as zeros; .grad set at write-back unless unused by all
+            elif g is not v and g.data_ptr() != v.data_ptr():
+                v.copy_(g)
+                p.grad = v
 
     def _fill(self, b: int, scale: bool) -> None:
         """Copy (scaled) this bucket's gradients into it; adopt its views as ``.grad``."""
@@ -362,13 +430,45 @@ class Reducer:
         # gradients that require grad; the reduction is not part of any graph (torch
         # DDP's reducer, in C++, records none either), and out= ops refuse autograd.
         with torch.no_grad():
-            self._fill_buckets(b, scale)
+            if self.buckets[b].sparse:
+                self._fill_sparse(b, scale)
+            else:
+                self._fill_buckets(b, scale)
+
+    def _fill_sparse(self, b: int, scale: bool) -> None:
+        """The bucket's buffer becomes its parameter's (scaled) sparse gradient."""
+        bucket = self.buckets[b]
+        (name,), (p,) = bucket.names, bucket.params
+        wire = bucket.buffer.dtype
+        g = p.grad
+        if g is None:
+            bucket.buffer = empty_sparse_like(p, wire)  # reduced as nothing, so no rank hangs
+            return
+        if not g.is_sparse:
+            raise DataParallelError(
+                f"parameter '{name}' belongs to an nn.Embedding/EmbeddingBag with sparse=True, "
+                f"so DataParallel reduces its gradient as a sparse tensor, but it got a "
+                f"{g.layout} gradient (a dense use of the same weight, such as tied weights, "
+                "makes it dense). Fix: build the module with sparse=False, or keep the weight's "
+                "uses sparse. torch DDP refuses the same."
+            )
+        g = g.to(wire)
+        # Without scaling the buffer is the gradient itself, as DDP hands its hooks.
+        bucket.buffer = torch.div(g, self._divide_by()) if scale else g
 
     def _fill_buckets(self, b: int, scale: bool) -> None:
         bucket = self.buckets[b]
         present = []
-        for v, p in zip(bucket.views, bucket.params):
+        for v, p, name in zip(bucket.views, bucket.params, bucket.names):
             g = p.grad
+            if g is not None and g.is_sparse:
+                raise DataParallelError(
+                    f"parameter '{name}' got a sparse gradient, but DataParallel "
+                    "reduces it in a dense bucket: only the weights of nn.Embedding and "
+                    "nn.EmbeddingBag modules built with sparse=True are reduced as sparse (the "
+                    "rule torch DDP uses). Fix: produce it from such a module, or make the "
+                    "gradient dense."
+                )
             if g is None:
                 v.zero_()  # its share of the bucket is reduced as zeros
             else:
@@ -508,7 +608,8 @@ class Reducer:
             label="DataParallel gradients",
         )
         if blocking:
-            handle.wait()
+            with phase("dp.finalize_wait"):
+                handle.wait()
             return None
         self.grad_guard.poison(self.params)  # until handle.wait() writes them
         self.handle = handle
@@ -529,7 +630,8 @@ class Reducer:
         while w.next_bucket < len(self.buckets):
             self._launch(w.next_bucket)
             w.next_bucket += 1
-        if self.find_unused and w.used_map_work is None:
+        # static_graph learns, once, which parameters no rank uses (see _complete).
+        if (self.find_unused or w.learning) and w.used_map_work is None:
             self._launch_used_map()
         return missing
 
@@ -563,7 +665,15 @@ class Reducer:
             self.on_bucket_reduced(b)
 
     def _write_back(self, bucket: Bucket, globally_unused: set[int]) -> None:
+        if bucket.sparse:  # see [Note: sparse buckets] in _buckets.py
+            (i,), (p,) = bucket.param_indices, bucket.params
+            if i not in globally_unused:
+                p.grad = bucket.buffer.to(p.dtype)
+            return
         if self.bucket_view:  # with bucket views .grad is the view: nothing to copy
+            for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
+                if p.grad is None and i not in globally_unused:
+                    p.grad = view
             return
         dst, src = [], []
         for i, p, view in zip(bucket.param_indices, bucket.params, bucket.views):
@@ -582,10 +692,15 @@ class Reducer:
 
     def _complete(self, w: _Window, missing: list[str]) -> None:
         self.grad_guard.restore()
-        globally_unused: set[int] = set()
+        globally_unused = set(self.static_unused)
         if w.used_map is not None:
             self.last_used_map = w.used_map
             globally_unused = {i for i, n in enumerate(w.used_map.tolist()) if n == 0}
+            if w.learning:
+                # As torch DDP's static graph: a parameter no rank used in the first
+                # iteration keeps its .grad (None after zero_grad) in every later one,
+                # where no used map is reduced; one used on some rank gets the average.
+                self.static_unused = frozenset(globally_unused)
         for bucket in self.buckets:
             if bucket.index not in w.written:
                 self._write_back(bucket, globally_unused)

@@ -100,6 +100,22 @@ def wrapped_parameters(
     return named
 
 
+def sparse_gradient_indices(
+    module: nn.Module, wrapped: list[tuple[str, nn.Parameter]]
+) -> frozenset[int]:
+    """Positions in ``wrapped`` of the parameters whose gradients come out sparse.
+
+    torch DDP's rule: the weight of an ``nn.Embedding`` or ``nn.EmbeddingBag`` built
+    with ``sparse=True``. See [Note: sparse buckets] in ``_buckets.py``.
+    """
+    ids = {
+        id(m.weight)
+        for m in module.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    }
+    return frozenset(i for i, (_, p) in enumerate(wrapped) if id(p) in ids)
+
+
 class Replica:
     """The wrapped module's parameters and buffers, as DataParallel found them."""
 

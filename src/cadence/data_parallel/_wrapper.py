@@ -23,6 +23,7 @@ from cadence._dp_layout import DataParallelGroup, DataParallelLayout
 from cadence._exchange import check_algorithms
 from cadence._timing import check_split_part, refuse_inside_backward
 from cadence.comm import CollectiveAlgorithms, Comm, EventLog, ReductionHandle
+from cadence.data_parallel import comm_hooks
 from cadence.data_parallel._buckets import build_buckets
 from cadence.data_parallel._ddp_args import UNSET, DDPPlan, resolve_ddp_args
 from cadence.data_parallel._errors import DataParallelError
@@ -30,8 +31,9 @@ from cadence.data_parallel._join import JoinableDataParallel, join_forward, refu
 from cadence.data_parallel._overlap import OverlapOptimizer, OverlappedOptimizers
 from cadence.data_parallel._pickling import pickled_state
 from cadence.data_parallel._reducer import ForwardToken, Reducer, WindowState
-from cadence.data_parallel._replica import Replica, wrapped_parameters
+from cadence.data_parallel._replica import Replica, sparse_gradient_indices, wrapped_parameters
 from cadence.data_parallel._sink import Sink, used_params
+from cadence.data_parallel.comm_hooks import check_comm_hook
 from cadence.errors import CadenceValueError
 from cadence.fsdp._materialize import conversion_name
 
@@ -55,9 +57,10 @@ _NO_DDP_LOGGING = (
 class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
     """Replicated data parallelism with caller-controlled gradient finalization.
 
-    Gradients are packed into buckets (reverse registration order, a small last
-    bucket) whose all-reduces launch asynchronously during backward as soon as
-    each bucket is ready, in the same order on every rank.
+    Gradients are packed into buckets in the order they arrive (reverse
+    registration order, a small first bucket), whose all-reduces launch
+    asynchronously during backward as soon as each bucket is ready, in the same
+    order on every rank.
 
     Finalization (wait + write the averaged gradients into ``.grad``):
     - automatic (default): at the end of the outermost backward, as torch DDP;
@@ -87,8 +90,8 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
             2-D DeviceMesh (flattened). See [Note: the meaning of group=] in
             ``cadence/topology.py``; fully_shard reads it the same way.
             ``process_group=`` and ``device_mesh=`` are DDP's spellings of it.
-        first_bucket_cap_mb: cap of the bucket holding the first-registered
-            parameters, reduced last (default: DDP's rule above).
+        first_bucket_cap_mb: cap of the first bucket launched, holding the
+            last-registered parameters (default: DDP's rule above).
         reduce_dtype: dtype on the wire (e.g. ``torch.bfloat16``); ``.grad`` keeps
             the parameter dtype, so accumulation stays in full precision.
         event_log: record collectives here (otherwise a log bounded to the newest
@@ -221,11 +224,21 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
     def _build_reducer(self, plan: DDPPlan, named: _Named, find_unused: bool, static: bool) -> None:
         """The bucket plan and the reducer that runs it, built once the replicas agree."""
         index = {n: i for i, (n, _) in enumerate(named)}
+        delayed = frozenset(index[n] for n in plan.delayed if n in index)
+        sparse = sparse_gradient_indices(self.module, named)
+        if delayed & sparse:
+            raise CadenceValueError(
+                f"delay_all_reduce_named_params names '{named[min(delayed & sparse)][0]}', whose "
+                "gradient is sparse (an embedding with sparse=True): sparse gradients are "
+                "reduced one per bucket and cannot join the delayed dense bucket. Fix: leave "
+                "it out of delay_all_reduce_named_params."
+            )
         buckets = build_buckets(
             named,
             bucket_caps_mb=plan.bucket_caps_mb,
             reduce_dtype=plan.reduce_dtype,
-            delayed=frozenset(index[n] for n in plan.delayed if n in index),
+            delayed=delayed,
+            sparse=sparse,
         )
         self.bucket_bytes_cap = int(plan.bucket_caps_mb[-1] * 1024 * 1024)
         self._reducer = Reducer(
@@ -294,8 +307,11 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
                 offset += t.numel()
 
     def _attach_bucket_views(self) -> None:
+        keep_none = self._reducer.keeps_grads_none
         for bucket in self._reducer.buckets:
             for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None and keep_none:
+                    continue  # see Reducer.keeps_grads_none
                 if p.grad is None:
                     view.zero_()
                     p.grad = view
@@ -520,15 +536,48 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
         return optimizer.register_step_pre_hook(_check)
 
     def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
-        """Replace the all-reduce of each bucket (torch DDP signature; one hook per wrapper)."""
+        """Replace the all-reduce of each bucket (torch DDP signature; one hook per wrapper).
+
+        The hook is checked here as DDP checks it (``TypeError`` if it is not callable,
+        ``ValueError`` for a wrong annotation); one returning neither a Future nor a
+        work object raises at the backward that calls it.
+        """
+        check_comm_hook(hook)
         if self._reducer.comm_hook is not None:
-            raise DataParallelError("register_comm_hook() may be called only once per DataParallel")
+            raise DataParallelError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once. "
+                "Fix: compose the hooks into one function and register that."
+            )
         if self._reducer.pending:
             raise DataParallelError(
                 "register_comm_hook() cannot be called while reductions are pending"
             )
         self._reducer.comm_hook = (state, hook)
         self._reducer.wire_divide = False  # hooks get un-divided buckets (DDP contract)
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch DDP's private spelling for its built-in hooks, mapped to cadence's own."""
+        hooks = {
+            dist.BuiltinCommHookType.ALLREDUCE: comm_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: comm_hooks.fp16_compress_hook,
+        }
+        if comm_hook_type not in hooks:
+            raise CadenceValueError(
+                f"unknown built-in comm hook {comm_hook_type!r}; use one of "
+                "dist.BuiltinCommHookType.ALLREDUCE or FP16_COMPRESS"
+            )
+        self.register_comm_hook(None, hooks[comm_hook_type])
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Sequence[str]
+    ) -> None:
+        """torch DDP's way to mark names that the wrapper leaves alone (read at wrapping)."""
+        # The same attributes DDP sets, so either wrapper (and FSDP) honours the mark.
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]  # DDP's own ad-hoc attribute
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if name in params_and_buffers_to_ignore:
+                t._ddp_ignored = True  # type: ignore[attr-defined]  # DDP's own ad-hoc attribute
 
     def reset_iter_state(self) -> None:
         """Drop window state after an exception in backward or finalize (call on every rank)."""

@@ -10,14 +10,26 @@ counted in the wrapper's event log.
 
 from __future__ import annotations
 
+import inspect
+import typing
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cadence.comm import Comm, CommWork
 from cadence.data_parallel._buckets import Bucket
+from cadence.errors import CadenceTypeError, CadenceValueError
 
-__all__ = ["GradBucket", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = [
+    "GradBucket",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "check_comm_hook",
+    "fp16_compress_hook",
+    "hook_result_error",
+    "is_future",
+]
 
 
 class GradBucket:
@@ -35,9 +47,14 @@ class GradBucket:
         return self._bucket.buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
+        if self._bucket.sparse:  # the buffer is the sparse gradient itself: replaced
+            self._bucket.buffer = tensor
+            return
         self._bucket.buffer.copy_(tensor.reshape(-1))
 
     def gradients(self) -> list[torch.Tensor]:
+        if self._bucket.sparse:
+            return [self._bucket.buffer]
         return list(self._bucket.views)
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -65,6 +82,74 @@ class _CastBack:
         self._work.wait()
         self._buffer.copy_(self._compressed)
         self._done = True
+
+
+def check_comm_hook(hook: object) -> None:
+    """Refuse a hook at registration as torch DDP does, with its error types and words.
+
+    Scripts and torch's own tests match these messages; cadence widens two of DDP's
+    rules only as far as its own hooks need: the bucket may be annotated with this
+    module's `GradBucket`, and the return with a work-like class (one with ``wait``).
+    """
+    if not callable(hook):
+        raise CadenceTypeError("Communication hook must be callable.")
+    try:
+        sig = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: nothing to check, as nothing is declared
+    try:  # string annotations (``from __future__ import annotations``) resolved
+        hints = typing.get_type_hints(hook)
+    except Exception:  # an unresolvable name: judge what is declared plainly
+        hints = {}
+    params = list(sig.parameters.values())
+    bucket = sig.parameters.get("bucket") or (params[1] if len(params) > 1 else None)
+    if bucket is not None:
+        annotation = hints.get(bucket.name, bucket.annotation)
+        if not isinstance(annotation, str) and annotation not in (
+            inspect.Parameter.empty,
+            dist.GradBucket,
+            GradBucket,
+            Any,
+        ):
+            raise CadenceValueError(
+                "Communication hook: bucket annotation should be dist.GradBucket. "
+                f"{_name(hook)} annotates it {annotation!r}."
+            )
+    returned = hints.get("return", sig.return_annotation)
+    if isinstance(returned, str) or returned is inspect.Signature.empty:
+        return
+    if typing.get_origin(returned) is torch.futures.Future or returned is torch.futures.Future:
+        return
+    if isinstance(returned, type) and callable(getattr(returned, "wait", None)):
+        return  # a work-like result (cadence's own hooks return one)
+    raise CadenceValueError(
+        "Communication hook: return annotation should be torch.futures.Future[torch.Tensor] "
+        f"(or a work object with wait()); {_name(hook)} annotates {returned!r}."
+    )
+
+
+def hook_result_error(hook: object, result: object) -> str:
+    """What a hook that returned neither a Future nor a work object is told at backward."""
+    return (
+        "Communication hook: callback must return a torch.futures.Future object, but got "
+        f"{type(result).__name__} from {_name(hook)}. Fix: return the Future of the "
+        "collective (e.g. dist.all_reduce(..., async_op=True).get_future()), or an object "
+        "with wait() after which the bucket's buffer holds the result."
+    )
+
+
+def is_future(result: object) -> bool:
+    """A torch future, whichever class made it.
+
+    ``Future.then()`` and ``Work.get_future()`` return torch's C++ class, of which
+    ``torch.futures.Future`` is only a Python subclass; checking the subclass missed
+    them and treated their result as a work object, dropping a fresh tensor's value.
+    """
+    return isinstance(result, torch._C.Future)
+
+
+def _name(hook: object) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
 def _comm(state: Any, bucket: GradBucket) -> Comm:
