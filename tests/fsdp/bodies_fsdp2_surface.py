@@ -63,7 +63,11 @@ def _mesh_parity(rank: int, world: int) -> dict[str, Any]:
 
 
 def _torch_mp(rank: int, world: int) -> dict[str, Any]:
-    """torch's MixedPrecisionPolicy: same result as cadence's policy, close to FSDP2's."""
+    """torch's MixedPrecisionPolicy: same result as cadence's policy and as FSDP2's.
+
+    FSDP2 gets the same explicit policy: with ``reduce_dtype`` unset its reduce dtype
+    depends on the torch version (``bodies_torch_checks`` covers that default).
+    """
     batches = make_batches("blocks", 2, 8)
     runs = {}
     wire: set[str] = set()
@@ -71,7 +75,8 @@ def _torch_mp(rank: int, world: int) -> dict[str, Any]:
         m = make_blocks()
         log = cadence.EventLog()
         if impl == "fsdp2":
-            apply_torch(m, m.units(), mp_policy=TorchMP(param_dtype=torch.bfloat16))
+            mp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            apply_torch(m, m.units(), mp_policy=mp)
         else:
             policy: Any = (
                 TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -8,6 +8,7 @@ of process start) is shared.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,27 +41,54 @@ __all__ = ["parity_body"]
 # ---------------------------------------------------------------------------
 
 
-class _Counter:
-    """Counts torch.distributed collectives called by torch's fully_shard (looked up late)."""
+def _called_by_torch_fsdp() -> bool:
+    """Whether torch's FSDP2 issued the current ``torch.distributed`` call (not cadence,
+    whose collectives may go through the same functions, nor ``full_tensor()``)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if "torch/distributed/fsdp/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]  # None ends the walk
+    return False
 
-    def __init__(self) -> None:
+
+class _Counter:
+    """Counts torch.distributed collectives called by torch's fully_shard (looked up late).
+
+    ``fsdp2_only``: count only the calls FSDP2 itself issues (see `_called_by_torch_fsdp`),
+    and only the outermost (one of these functions may call another); otherwise every
+    call, which is what tests running FSDP2 alone count.
+    """
+
+    _KINDS = {
+        "all_gather_single": "all_gather",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_single": "reduce_scatter",
+        "reduce_scatter_tensor": "reduce_scatter",
+    }
+
+    def __init__(self, *, fsdp2_only: bool = False) -> None:
         self.counts = {"all_gather": 0, "reduce_scatter": 0}
         self._orig: dict[str, Callable[..., Any]] = {}
+        self._fsdp2_only = fsdp2_only
+        self._depth = 0
+
+    def _counts_now(self) -> bool:
+        return not self._fsdp2_only or (self._depth == 0 and _called_by_torch_fsdp())
 
     def __enter__(self) -> _Counter:
-        for name, kind in (
-            ("all_gather_single", "all_gather"),
-            ("all_gather_into_tensor", "all_gather"),
-            ("reduce_scatter_single", "reduce_scatter"),
-            ("reduce_scatter_tensor", "reduce_scatter"),
-        ):
+        for name, kind in self._KINDS.items():
             if hasattr(dist, name):
-                orig = getattr(dist, name)
-                self._orig[name] = orig
+                self._orig[name] = orig = getattr(dist, name)
 
                 def wrapped(*a: Any, _o: Any = orig, _k: str = kind, **k: Any) -> Any:
-                    self.counts[_k] += 1
-                    return _o(*a, **k)
+                    if self._counts_now():
+                        self.counts[_k] += 1
+                    self._depth += 1
+                    try:
+                        return _o(*a, **k)
+                    finally:
+                        self._depth -= 1
 
                 setattr(dist, name, wrapped)
         return self

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 
 from cadence.errors import CadenceTypeError, CadenceValueError
 from cadence.fsdp._errors import FullyShardError
+from cadence.fsdp._mp_rules import REDUCE_DEFAULTS_TO_ORIG_DTYPE, check_torch_policy_fields
 
 __all__ = [
     "FullyShardError",
@@ -51,7 +52,9 @@ class MixedPrecisionPolicy:
     """Dtype of the unsharded parameters: the all-gather and the forward/backward compute."""
 
     reduce_dtype: torch.dtype | None = None
-    """Dtype of the reduce-scatter (and HSDP all-reduce). Default: ``param_dtype``."""
+    """Dtype of the reduce-scatter (and HSDP all-reduce). Default: as the installed torch's
+    FSDP2: the parameter's own dtype from torch 2.15, ``param_dtype`` before (see [Note:
+    the default reduce dtype follows the installed torch] in ``_mp_rules.py``)."""
 
     output_dtype: torch.dtype | None = None
     """Cast floating outputs of the root module's forward to this dtype."""
@@ -79,7 +82,9 @@ class MixedPrecisionPolicy:
     def resolve(self, orig: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """(param, reduce, accumulate) dtypes for parameters whose own dtype is ``orig``."""
         param = self.param_dtype or orig
-        reduce = self.reduce_dtype or param
+        # See [Note: the default reduce dtype follows the installed torch] in _mp_rules.py.
+        default_reduce = orig if REDUCE_DEFAULTS_TO_ORIG_DTYPE else param
+        reduce = self.reduce_dtype or default_reduce
         return param, reduce, self.accumulate_dtype or reduce
 
     def cast_inputs(
@@ -104,9 +109,11 @@ class MixedPrecisionPolicy:
 def to_mp_policy(policy: Any) -> MixedPrecisionPolicy:
     """cadence's policy from ``None``, cadence's own, or torch FSDP2's `MixedPrecisionPolicy`.
 
-    torch's fields mean the same here (``reduce_dtype`` defaults to ``param_dtype``;
-    no-sync accumulation happens in the reduce dtype, as FSDP2), so the conversion
-    copies them; cadence's extra ``accumulate_dtype`` keeps its default.
+    torch's fields mean the same here (an unset ``reduce_dtype`` follows the installed
+    torch's rule; no-sync accumulation happens in the reduce dtype, as FSDP2), so the
+    conversion copies them; cadence's extra ``accumulate_dtype`` keeps its default. A
+    field torch added that cadence cannot honour (2.15's ``param_dtype_override_fn``) is
+    refused by name when set, never dropped.
     """
     if policy is None:
         return MixedPrecisionPolicy()
@@ -115,6 +122,7 @@ def to_mp_policy(policy: Any) -> MixedPrecisionPolicy:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
     if isinstance(policy, TorchPolicy):
+        check_torch_policy_fields(policy)
         return MixedPrecisionPolicy(
             param_dtype=policy.param_dtype,
             reduce_dtype=policy.reduce_dtype,

@@ -23,9 +23,11 @@ from cadence.fsdp._api import MixedPrecisionPolicy, check_fully_shard_args, to_m
 from cadence.fsdp._cross_load import adopt_state_dict
 from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._materialize import check_param_devices, conversion_name, conversion_target
+from cadence.fsdp._module_checks import check_module, refuse_deepcopy
 from cadence.fsdp._overlap import OverlapOptimizer
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
 from cadence.fsdp._root_runtime import RootRuntime
+from cadence.fsdp._ties import claim
 from cadence.fsdp._unit import ShardedState, Unit
 
 __all__ = ["FullyShardedModule", "UnshardHandle", "fully_shard"]
@@ -109,6 +111,9 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
     @property
     def _runtime(self) -> RootRuntime:
         return self._cadence_runtime
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        refuse_deepcopy(self)  # as FSDP2: [Note: modules fully_shard refuses]
 
     def _units(self, recurse: bool) -> list[Unit]:
         if not recurse:
@@ -488,6 +493,7 @@ def fully_shard(
             ``cadence/topology.py``; DataParallel reads it the same way.
         event_log: records every collective (the root's log is used by all units).
     """
+    check_module(module)  # [Note: modules fully_shard refuses] in _module_checks.py
     if isinstance(module, FullyShardedModule):
         raise FullyShardError(
             f"fully_shard was already applied to {type(module).__name__}; apply it once."
@@ -504,7 +510,10 @@ def fully_shard(
     params = collect_params(module, ignored={id(p) for p in ignored_params or ()})
     _check_placements(params, shard_placement_fn)
     check_param_devices(params, layout.device, type(module).__name__)
+    originals = [reg[0]._parameters[reg[1]] for reg in (info.registrations[0] for info in params)]
     unit = _make_unit(module, params, layout, mp_policy, reshard_after_forward, event_log)
+    # Later calls recognise these parameters: [Note: parameter identity across units].
+    claim(unit, [p for p in originals if p is not None])
     _rebuild_root_runtime(module, unit, event_log)
     _install_hooks(module, unit)
     return module

@@ -28,7 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
 from cadence.fsdp._cross_load import install_optimizer_check
-from cadence.fsdp._errors import FullyShardError
+from cadence.fsdp._errors import FullyShardError, FullyShardValueError
+from cadence.fsdp._ties import Owners, tie_error
 
 __all__ = ["ParamInfo", "collect_params", "make_layout", "picklable_shards_hook"]
 
@@ -42,7 +43,6 @@ class ParamInfo:
     shape: torch.Size
     dtype: torch.dtype
     requires_grad: bool
-    orig_id: int = 0  # id() of the user's parameter, to detect ties into other units
     # -- layout (filled by make_layout) --
     row_numel: int = 0
     chunk_rows: int = 0
@@ -83,13 +83,8 @@ def collect_params(root: nn.Module, *, ignored: set[int] | None = None) -> list[
 
     ``ignored``: ids of parameters to leave alone (FSDP2's ``ignored_params``).
     """
-    by_id: dict[int, ParamInfo] = {}
-    owned_elsewhere: dict[int, str] = {}
-    for sub in root.modules():
-        unit = getattr(sub, "_cadence_unit", None)  # see _is_unit
-        if sub is not root and unit is not None:
-            for p_id in unit.all_param_ids():
-                owned_elsewhere[p_id] = type(sub).__name__
+    by_id: dict[int, ParamInfo] = {}  # every object is alive (held by a module) meanwhile
+    owners = Owners()
     stack: list[tuple[str, nn.Module]] = [("", root)]
     while stack:
         prefix, module = stack.pop()
@@ -97,28 +92,24 @@ def collect_params(root: nn.Module, *, ignored: set[int] | None = None) -> list[
             if p is None or (ignored and id(p) in ignored):
                 continue
             fqn = f"{prefix}{name}"
-            if id(p) in owned_elsewhere:
-                raise FullyShardError(
-                    f"parameter {fqn!r} is tied to a parameter of the nested fully_shard unit "
-                    f"{owned_elsewhere[id(p)]}: tying across units is not supported because "
-                    "each unit shards and reduces its own parameters. Fix: apply fully_shard to "
-                    "a module that contains every use of the tied parameter (e.g. the root)."
-                )
+            # Already sharded by another unit, nested or not: [Note: parameter identity
+            # across units] in _ties.py (by object, never by a reused id()).
+            owner = owners.of(p)
+            if owner is not None:
+                raise tie_error(fqn, owner, root)
             if isinstance(p, DTensor):
                 raise FullyShardError(
                     f"parameter {fqn!r} is already a DTensor (fully_shard applied twice?); "
                     "apply fully_shard once per module, bottom-up."
                 )
-            if p.dim() == 0:
-                raise FullyShardError(
+            if p.dim() == 0:  # FSDP2 raises ValueError too
+                raise FullyShardValueError(
                     f"parameter {fqn!r} is 0-dimensional and cannot be sharded on dim 0; "
                     "give it shape (1,) instead."
                 )
             info = by_id.get(id(p))
             if info is None:
-                info = by_id[id(p)] = ParamInfo(
-                    fqn, [], p.shape, p.dtype, p.requires_grad, orig_id=id(p)
-                )
+                info = by_id[id(p)] = ParamInfo(fqn, [], p.shape, p.dtype, p.requires_grad)
             info.registrations.append((module, name))
         for child_name, child in reversed(list(module._modules.items())):
             if child is not None and not _is_unit(child):

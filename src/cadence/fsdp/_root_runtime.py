@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from cadence import _autograd
 from cadence._pending_grad import GradGuard
-from cadence.comm import Comm, CommWork, EventLog, ReductionHandle
+from cadence.comm import Comm, CommWork, EventLog, ReductionHandle, phase
 from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._unit import PendingReduction, ShardedState, Unit
 
@@ -177,7 +177,13 @@ class RootRuntime:
 
     def post_forward(self, unit: Unit, output: Any) -> Any:
         grad_enabled = torch.is_grad_enabled()
-        if unit.reshard_after_forward:
+        # [Note: forward inside backward]
+        # A forward that runs while a backward is active is activation checkpointing's
+        # recompute: the backward about to run needs these parameters, so the unit stays
+        # unsharded until its post-backward (as FSDP2). Resharding here would free storage
+        # the recomputed graph saved; a unit whose pre-backward already ran (used by two
+        # forwards, DPO-style) would then never re-gather it.
+        if unit.reshard_after_forward and not self.backward_active:
             unit.reshard()
         if grad_enabled:
             tensors, _ = tree_flatten(output)
@@ -298,6 +304,10 @@ class RootRuntime:
             self.retire(self.inflight.popleft())
 
     def issue_reduction(self, unit: Unit, rs_input: torch.Tensor) -> None:
+        with phase("fsdp.reduce_scatter"):
+            self._issue_reduction(unit, rs_input)
+
+    def _issue_reduction(self, unit: Unit, rs_input: torch.Tensor) -> None:
         # [Note: who keeps a reduce-scatter input alive]
         # The work does, not the runtime: gloo's own reduce-scatter keeps it (the
         # CommWork's tensors) until waited, because gloo reads it on its own threads
@@ -312,12 +322,20 @@ class RootRuntime:
         assert unit.comm is not None
         with unit.streams.issue("reduce_scatter"):
             unit.streams.used_by(rs_input, "reduce_scatter")
-            rs_output = torch.empty(unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device)
-            work = unit.comm.reduce_scatter_single(
-                rs_output, rs_input.view(-1), op="avg", async_op=True
-            )
+            if unit.world == 1:
+                # A shard group of one: the average over one rank is the input itself,
+                # so no collective (as FSDP2; see [Note: a shard group of one] in _unit.py).
+                rs_output, work = rs_input.view(-1), CommWork(None)
+            else:
+                rs_output = torch.empty(
+                    unit.shard_numel, dtype=unit.reduce_dtype, device=unit.device
+                )
+                work = unit.comm.reduce_scatter_single(
+                    rs_output, rs_input.view(-1), op="avg", async_op=True
+                )
         nbytes = rs_input.numel() * rs_input.element_size()
-        self.inflight.append(PendingReduction(unit, nbytes, rs_output, work))
+        used = unit.take_grads_seen()  # see [Note: parameters without a gradient] in _unit.py
+        self.inflight.append(PendingReduction(unit, nbytes, rs_output, work, used))
         if self.max_inflight_reductions == 0:
             self.retire(self.inflight.popleft())  # synchronous mode: FSDP2-on-CPU memory
         self.peak_inflight_reductions = max(self.peak_inflight_reductions, len(self.inflight))
@@ -358,6 +376,7 @@ class RootRuntime:
                 if unit.partial_reduce is not None:
                     pr.rs_output += unit.partial_reduce
                     unit.partial_reduce = None
+                    pr.used = None  # earlier backwards' parameters are in it too
                 # HSDP: the all-reduce over replicas needs the finished shard, so it is
                 # issued here, asynchronously, and waited in wait_and_cleanup.
                 with unit.streams.issue("reduce_scatter"):
@@ -376,6 +395,18 @@ class RootRuntime:
         for unit in self.units:
             if unit.state is ShardedState.UNSHARDING:
                 unit.reshard()  # a prefetch nobody consumed
+            elif (
+                unit.state is ShardedState.UNSHARDED
+                and unit.reshard_after_backward
+                and self.split_part != "input"
+            ):
+                # Every post-backward has run, so a unit still unsharded was gathered by a
+                # forward (reshard_after_forward=False) whose outputs this backward never
+                # reached, or by a recompute after its post-backward: reshard it as a
+                # post-backward would (FSDP2's final callback does too), so the module shows
+                # its sharded parameters, with the .grad the optimizer steps, and the next
+                # forward re-gathers the new values.
+                unit.reshard()
             unit.pre_backward_done = False
             unit.post_backward_done = False
             unit.hooks_fired = 0
@@ -470,7 +501,7 @@ class RootRuntime:
             self.grad_guard.restore(
                 info.sharded for info in pr.unit.params if info.sharded is not None
             )
-            pr.unit.write_sharded_grads(pr.rs_output)
+            pr.unit.write_sharded_grads(pr.rs_output, pr.used)
         self.retired.pop(0)
         written = self.on_unit_written
         if written is not None and not pr.held and not self._queued(pr.unit):
@@ -569,6 +600,7 @@ class RootRuntime:
             unit.partial_reduce = None
             unit.pre_backward_done = unit.post_backward_done = False
             unit.hooks_fired = 0
+            unit.take_grads_seen()
             for info in unit.params:
                 assert info.unsharded is not None
                 info.unsharded.grad = None

@@ -14,11 +14,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from cadence._dp_layout import DataParallelLayout
-from cadence.comm import CollectiveAlgorithms, Comm, CommWork, EventLog
+from cadence.comm import CollectiveAlgorithms, Comm, CommWork, EventLog, phase
 from cadence.errors import CadenceValueError
 from cadence.fsdp._api import MixedPrecisionPolicy
 from cadence.fsdp._errors import FullyShardError
+from cadence.fsdp._grad_hooks import run_post_accumulate_grad_hooks
 from cadence.fsdp._materialize import plan_reseat, replaced, seat
+from cadence.fsdp._mp_rules import set_unsharded_grad_dtype, unsharded_grad_dtype
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
 from cadence.fsdp._streams import StreamSet
 
@@ -40,7 +42,7 @@ class AllGatherState(NamedTuple):
 class PendingReduction:
     """One unit's reduce-scatter (and HSDP all-reduce) in flight; owns its buffers."""
 
-    __slots__ = ("ar_work", "held", "input_nbytes", "rs_output", "rs_work", "unit")
+    __slots__ = ("ar_work", "held", "input_nbytes", "rs_output", "rs_work", "unit", "used")
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class PendingReduction:
         input_nbytes: int,
         rs_output: torch.Tensor,
         rs_work: CommWork,
+        used: list[bool] | None = None,
     ) -> None:
         self.unit = unit
         # The (W, S) input itself is owned by the work, not held here: see
@@ -59,6 +62,9 @@ class PendingReduction:
         # HSDP with set_requires_all_reduce(False): the output went into the unit's
         # partial_reduce, to be all-reduced later; nothing to write into .grad now.
         self.held = False
+        # Per parameter: whether this rank's backwards gave it a gradient (None: assume
+        # all did); see [Note: parameters without a gradient].
+        self.used = used
 
     @property
     def input_bytes(self) -> int:
@@ -152,6 +158,9 @@ class Unit:
                 info.shape
             )
             info.unsharded = nn.Parameter(view, requires_grad=info.requires_grad)
+            # Where autograd accumulates this gradient: [Note: the default reduce dtype
+            # follows the installed torch] in _mp_rules.py.
+            set_unsharded_grad_dtype(info.unsharded, self.reduce_dtype)
         self._free_unsharded()
         self.state = ShardedState.SHARDED
         self.all_gather_state: AllGatherState | None = None
@@ -165,6 +174,9 @@ class Unit:
         self.pre_backward_done = False
         self.hooks_fired = 0
         self.num_grad_params = sum(1 for p in params if p.requires_grad)
+        # Per parameter: got a gradient since the last reduction was issued; see
+        # [Note: parameters without a gradient].
+        self.grads_seen = [False] * len(params)
         # requires_grad per parameter as last synced: see [Note: requires_grad after sharding].
         self.grad_flags = [p.requires_grad for p in params]
         # -- prefetch lists --
@@ -172,13 +184,6 @@ class Unit:
         self.backward_prefetch: list[Unit] | None = None
 
     # -- bookkeeping ----------------------------------------------------------
-
-    def all_param_ids(self) -> set[int]:
-        """ids of the user's, the sharded and the unsharded parameter objects."""
-        out: set[int] = set()
-        for info in self.params:
-            out |= {info.orig_id, id(info.sharded), id(info.unsharded)}
-        return out
 
     @property
     def unsharded_bytes(self) -> int:
@@ -208,7 +213,17 @@ class Unit:
 
     def unshard(self, *, async_op: bool) -> None:
         """Issue the all-gather (if needed); with ``async_op=False`` also finish it."""
+        with phase("fsdp.unshard"):
+            self._unshard(async_op=async_op)
+
+    def _unshard(self, *, async_op: bool) -> None:
         if self.state is ShardedState.UNSHARDED and not self.stale:
+            return
+        if not self.params:
+            # A unit that owns no parameters (a root over child units): nothing to
+            # gather, so no collective, as FSDP2 (which builds no parameter group).
+            self.state = ShardedState.UNSHARDED
+            self.stale = False
             return
         if self.state is not ShardedState.UNSHARDING:
             assert self.comm is not None, "lazy init must run before unshard"
@@ -220,10 +235,18 @@ class Unit:
                     self.streams.used_by(inp, "all_gather")
                 else:
                     inp = self.flat_shard.to(self.param_dtype)
-                out = torch.empty(
-                    self.world * self.shard_numel, dtype=self.param_dtype, device=self.device
-                )
-                work = self.comm.all_gather_single(out, inp, async_op=True)
+                # [Note: a shard group of one]
+                # With one rank in the shard group (world 1, or HSDP with dp_shard=1) the
+                # shard is the whole parameter: gathering it, or reduce-scattering its
+                # gradient, is a copy, so no collective is issued (FSDP2 issues none
+                # either). HSDP's all-reduce over replicas still runs.
+                if self.world == 1:
+                    out, work = inp, CommWork(None)
+                else:
+                    out = torch.empty(
+                        self.world * self.shard_numel, dtype=self.param_dtype, device=self.device
+                    )
+                    work = self.comm.all_gather_single(out, inp, async_op=True)
             self.all_gather_state = AllGatherState(work, out, inp)
             self.state = ShardedState.UNSHARDING
         if not async_op:
@@ -264,6 +287,10 @@ class Unit:
         self.stale = False
 
     def reshard(self) -> None:
+        with phase("fsdp.reshard"):
+            self._reshard()
+
+    def _reshard(self) -> None:
         if self.state is ShardedState.UNSHARDING:
             # Finish the in-flight all-gather so the collective order stays identical on
             # every rank; its result is simply dropped.
@@ -314,6 +341,9 @@ class Unit:
         """The parameters now have ``dtype`` (``model.to(dtype)``, ``double()``, ...)."""
         self.orig_dtype = dtype
         self.param_dtype, self.reduce_dtype, self.accum_dtype = self.mp_policy.resolve(dtype)
+        for info in self.params:  # the reduce dtype follows the new dtype (torch >= 2.15)
+            assert info.unsharded is not None
+            set_unsharded_grad_dtype(info.unsharded, self.reduce_dtype)
         if self.unsharded_flat.dtype == self.param_dtype:
             return
         self.unsharded_flat = torch.empty(
@@ -397,17 +427,25 @@ class Unit:
         """The unsharded grads of this backward (zeros where unused), cleared from the params."""
         grads: list[torch.Tensor] = []
         any_grad = False
-        for info in self.params:
+        for i, info in enumerate(self.params):
             p = info.unsharded
             assert p is not None
             g = p.grad
             p.grad = None
             if g is None:
-                g = torch.zeros(info.shape, dtype=self.param_dtype, device=self.device)
+                # The dtype autograd gives the others: _chunk_cat takes one dtype.
+                dtype = unsharded_grad_dtype(self.param_dtype, self.reduce_dtype)
+                g = torch.zeros(info.shape, dtype=dtype, device=self.device)
             else:
                 any_grad = True
+                self.grads_seen[i] = True
             grads.append(g)
         return grads if any_grad else None
+
+    def take_grads_seen(self) -> list[bool]:
+        """Which parameters got a gradient since the last call (the reduction's ``used``)."""
+        seen, self.grads_seen = self.grads_seen, [False] * len(self.params)
+        return seen
 
     def chunk_cat(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(self.world, self.shard_numel, dtype=dtype, device=self.device)
@@ -431,16 +469,34 @@ class Unit:
             rs_in += acc
         return rs_in
 
-    def write_sharded_grads(self, rs_output: torch.Tensor) -> None:
-        """View-out: the reduced (S,) output becomes (or is added to) each sharded ``.grad``."""
+    # [Note: parameters without a gradient]
+    # One reduce-scatter carries the whole unit, so a parameter that got no gradient on
+    # this rank (an unused output or branch) is reduced as zeros. FSDP2 reduces only the
+    # parameters with a gradient and leaves the others' ``.grad`` as it was (None after
+    # ``zero_grad()``), and optimizers treat None and zeros differently (Adam moves a
+    # parameter with a zero gradient through its momentum). So a parameter no backward
+    # of this reduction reached keeps its ``.grad`` here too, unless its reduced rows are
+    # non-zero: then another rank used it (FSDP2 assumes every rank uses the same
+    # parameters and fails otherwise), and the average is written as usual. The check
+    # reads one chunk per such parameter (a host sync on CUDA), only when a parameter
+    # had no local gradient.
+
+    def write_sharded_grads(self, rs_output: torch.Tensor, used: list[bool] | None = None) -> None:
+        """View-out: the reduced (S,) output becomes (or is added to) each sharded ``.grad``.
+
+        ``used``: per parameter, whether this rank's backwards gave it a gradient; see
+        [Note: parameters without a gradient]. None: all did.
+        """
         self.streams.used_by(rs_output)  # allocated on the reduce-scatter stream
         out = rs_output if rs_output.dtype == self.orig_dtype else rs_output.to(self.orig_dtype)
-        for info in self.params:
+        for i, info in enumerate(self.params):
             if not info.requires_grad:
                 continue
             p = info.sharded
             assert p is not None
             local = out.narrow(0, info.offset, info.local_numel).view(info.local_shape())
+            if used is not None and not used[i] and not bool(local.any()):
+                continue  # no rank's backward reached it: .grad stays as it was
             if p.grad is None:
                 p.grad = DTensor.from_local(
                     local,
@@ -453,3 +509,6 @@ class Unit:
             else:
                 # Reduce-every-microbatch mode: accumulate in the sharded grad.
                 p.grad._local_tensor.add_(local)  # type: ignore[attr-defined]  # a DTensor grad; torch types .grad as Tensor
+            # The user's hooks on the sharded parameter, now that its reduced gradient is
+            # written: [Note: hooks on sharded parameters] in _grad_hooks.py.
+            run_post_accumulate_grad_hooks(p)
