@@ -140,6 +140,8 @@ class CollectiveAlgorithms:
         """Whether collective ``kind`` on ``tensor`` goes through an exchange."""
         if world < 2 or backend != "gloo" or tensor.device.type != "cpu":
             return False
+        if tensor.layout != torch.strided:  # a sparse gradient: gloo's own sparse all-reduce
+            return False
         choice: Algorithm = getattr(self, kind)
         if choice != "auto":
             return choice == "exchange"

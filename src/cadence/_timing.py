@@ -22,7 +22,14 @@ from torch.utils.hooks import RemovableHandle
 from cadence import _autograd
 from cadence.comm import ReductionHandle
 
-__all__ = ["SPLIT_BACKWARD_PARTS", "GradientTiming", "check_split_part", "refuse_inside_backward"]
+__all__ = [
+    "SPLIT_BACKWARD_PARTS",
+    "GradientTiming",
+    "ShardedTiming",
+    "check_split_part",
+    "refuse_inside_backward",
+    "splits_backward",
+]
 
 SPLIT_BACKWARD_PARTS = ("input", "weight")
 
@@ -137,6 +144,36 @@ class GradientTiming(Protocol):
         """Mark the autograd calls inside as one part of a split backward, as
         zero-bubble pipeline schedules run it; see [Note: split backward parts]."""
         ...
+
+
+@runtime_checkable
+class ShardedTiming(GradientTiming, Protocol):
+    """What a sharded wrapper (a `cadence.fully_shard` module) adds to the verbs: when
+    its parameters are gathered and freed. A pipeline whose schedule places UNSHARD
+    and RESHARD drives these, and turns the wrapper's own reshard flags off."""
+
+    def unshard(self, *, async_op: bool = False) -> Any:
+        """Gather the unit's parameters; with ``async_op`` return a handle to wait."""
+        ...
+
+    def reshard(self) -> None:
+        """Free the unit's gathered parameters (its shards stay)."""
+        ...
+
+    def set_reshard_after_forward(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether the unit frees its gathered parameters after each forward."""
+        ...
+
+    def set_reshard_after_backward(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Whether the unit frees its gathered parameters after each backward."""
+        ...
+
+
+def splits_backward(timing: GradientTiming) -> bool:
+    """Whether ``timing`` can run a split (I/W) backward: every cadence wrapper can; the
+    adapters of torch's own wrappers (`cadence.gradient_timing`) declare
+    ``splits_backward = False``, since torch ends a backward at every autograd call."""
+    return bool(getattr(timing, "splits_backward", True))
 
 
 def refuse_inside_backward(verb: str, why: str, error: type[Exception]) -> None:

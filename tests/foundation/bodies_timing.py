@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import cadence
+from cadence._timing import ShardedTiming
 from cadence.testing import max_abs_diff, run_subtests
 
 __all__ = ["WRAPPERS", "timing_verbs"]
@@ -244,6 +245,7 @@ def _optimizer_guard_and_reset(wrapper: str) -> dict[str, Any]:
 def _case(wrapper: str) -> dict[str, Any]:
     return {
         "is_gradient_timing": isinstance(_Wrapped(wrapper).module, cadence.GradientTiming),
+        "is_sharded_timing": isinstance(_Wrapped(wrapper).module, ShardedTiming),
         "in_backward_auto": _finalize_in_backward(wrapper, manual=False),
         "in_backward_manual": _finalize_in_backward(wrapper, manual=True),
         "too_early": _finalize_too_early(wrapper),

@@ -33,6 +33,14 @@ def test_both_wrappers_implement_the_protocol(results: Results, wrapper: str) ->
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_only_the_sharded_wrapper_offers_unshard_and_reshard(
+    results: Results, wrapper: str
+) -> None:
+    # The pipeline places UNSHARD/RESHARD on ShardedTiming units only.
+    assert all(r["is_sharded_timing"] == (wrapper != "dp") for r in results[wrapper])
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("mode", ["auto", "manual"])
 def test_finalize_and_step_inside_backward_once_every_reduction_launched(
     results: Results, wrapper: str, mode: str

@@ -120,7 +120,10 @@ def pp_dp_case(
     chunks = _model(n).split_stages(n)
     for s in mine:
         chunks[s] = _wrap(chunks[s], wrapper, pg, log)
-    reduce_kind = "all_reduce" if wrapper == "data_parallel" else "reduce_scatter"
+    # A shard group of one (HSDP over whole shards) reduces by the replicas' all-reduce
+    # alone: its reduce-scatter is a local copy, no collective (as FSDP2's).
+    whole = pg.topology.dp_shard == 1
+    reduce_kind = "all_reduce" if wrapper == "data_parallel" or whole else "reduce_scatter"
     sched = name if torch_rows is None else _torch_schedule(name, v, torch_rows[name])
     rt = build_pipeline(
         sched,

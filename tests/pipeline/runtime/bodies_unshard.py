@@ -62,7 +62,8 @@ def placement_case(pg, name_v: tuple[str, int], lookahead: int | None) -> dict:
     scale = max(float(g.abs().max()) for g in want.values())
     return {
         "all_gathers": log.count("all_gather"),
-        "units": sum(1 for st in stages.values() for _ in st._units(recurse=True)),
+        # Units that own parameters: one without any gathers nothing (as FSDP2's).
+        "units": sum(1 for st in stages.values() for u in st._units(recurse=True) if u.params),
         "unshard_actions": sum(a.kind.name == "UNSHARD" for a in rt.actions),
         "grad_rel_diff": max_abs_diff(got, want) / scale,
         "grads": {k: g.clone() for k, g in got.items()},

@@ -139,7 +139,8 @@ def test_unshard_reshard_actions_gather_once_per_step():
             placed = rows[f"name_v={name_v},lookahead=1"]
             where = (rank, name_v)
             # placed by build_pipeline(unshard_lookahead=1): one all-gather per
-            # fully_shard unit (each block and the stage) per step; on demand, one
+            # fully_shard unit that owns parameters (each block, the stage's rest) per
+            # step; on demand, one
             # per forward and backward of each microbatch
             assert placed["unshard_actions"] == name_v[1], where  # one per local stage
             assert placed["all_gathers"] == placed["units"] > 0, (where, placed)

@@ -47,7 +47,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from cadence.comm import Comm, CommWork, EventLog
+from cadence.comm import Comm, CommWork, EventLog, phase
 from cadence.pipeline.runtime.errors import (
     PipelineRuntimeError,
     PipelineStateError,
@@ -352,7 +352,8 @@ class PipelineRuntime:
                     if run:
                         self._post_batch(run, st)
                     continue
-                self._handlers[a.kind](a, i, st)
+                with phase(f"pp.{a}"):
+                    self._handlers[a.kind](a, i, st)
                 if self.event_log is not None and a.is_compute:
                     for c in a.compute_parts():
                         self.event_log.mark("pp_compute", stage=c.stage, kind=c.kind.name, mb=c.mb)

@@ -21,10 +21,13 @@ changes.) The verbs, in the order a step uses them:
 - ``handle.wait()`` at WAIT_REDUCE_GRAD, just before the result is needed (or at
   the end of the step when the schedule has no wait action);
 - ``unshard(async_op=True)`` / ``reshard()`` of every unit of the stage (nested
-  ones included) at UNSHARD / RESHARD, if the wrapper has them (fully_shard does,
-  DataParallel does not need to); a stage with these actions has its
-  ``set_reshard_after_forward/backward`` turned off at construction, so the
-  schedule alone decides when it is gathered.
+  ones included) at UNSHARD / RESHARD, on the units that are a
+  `cadence._timing.ShardedTiming` (fully_shard's are; DataParallel holds no
+  shards); a stage with these actions has its ``set_reshard_after_forward/backward``
+  turned off at construction, so the schedule alone decides when it is gathered.
+
+Whether a stage can run a split backward at all is `cadence._timing.splits_backward`
+(False only for the adapters of torch's own wrappers).
 
 Scaling is not done here: the loss is scaled once before backward (see
 ``microbatch.py``), so reduced gradients need no further division by ``m``.
@@ -46,7 +49,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from cadence._timing import GradientTiming
+from cadence._timing import GradientTiming, ShardedTiming, splits_backward
 from cadence._torch_timing import gradient_timing
 from cadence.comm import ReductionHandle
 from cadence.pipeline.runtime.errors import PipelineStateError
@@ -81,7 +84,7 @@ class StageGradSync:
 
     def split_refusal(self) -> str | None:
         """Why this stage cannot run a split (I/W) backward, or None if it can."""
-        if self.timing is None or getattr(self.timing, "splits_backward", True):
+        if self.timing is None or splits_backward(self.timing):
             return None
         return (
             f"{type(self._module).__name__} is a torch wrapper, which finishes its reduction "
@@ -129,21 +132,17 @@ class StageGradSync:
         """The schedule has UNSHARD/RESHARD for this stage: it, not the wrapper's
         reshard-after-forward/backward flags, decides when parameters are gathered."""
         for m in self._module.modules():
-            if not isinstance(m, GradientTiming):
-                continue
-            for verb in ("set_reshard_after_forward", "set_reshard_after_backward"):
-                fn = getattr(m, verb, None)
-                if fn is not None:
-                    fn(False, recurse=False)
+            if isinstance(m, ShardedTiming):
+                m.set_reshard_after_forward(False, recurse=False)
+                m.set_reshard_after_backward(False, recurse=False)
 
     def unshard(self) -> None:
         """UNSHARD: issue the all-gather of every unit of the stage (nested ones too,
         e.g. one per block under the stage's root), async; each first use waits."""
         self._wait_unshards()  # a previous step's, never resharded: done by now
         for m in self._module.modules():
-            fn = getattr(m, "unshard", None)
-            if fn is not None and isinstance(m, GradientTiming):
-                self._unshards.append(fn(async_op=True))
+            if isinstance(m, ShardedTiming):
+                self._unshards.append(m.unshard(async_op=True))
 
     def _wait_unshards(self) -> None:
         for handle in self._unshards:
@@ -155,9 +154,8 @@ class StageGradSync:
         """RESHARD: free every unsharded parameter of the stage (nested units included)."""
         self._wait_unshards()
         for m in self._module.modules():
-            fn = getattr(m, "reshard", None)
-            if fn is not None and isinstance(m, GradientTiming):
-                fn()
+            if isinstance(m, ShardedTiming):
+                m.reshard()
 
 
 def last_backwards(actions: Sequence[Action]) -> dict[int, int]:
