@@ -210,98 +210,71 @@ def add_train_subcommand(
         metavar="FILE.toml",
         help="options from a TOML file ([train] table); flags given here win",
     )
-    p.add_argument(
+    _run_flags(p.add_argument_group("the run"), d)
+    _optimizer_flags(p.add_argument_group("the optimizer"), d)
+    _model_flags(p.add_argument_group("the model"), d)
+    _data_flags(p.add_argument_group("the data"), d)
+    _parallel_flags(p.add_argument_group("parallelism"), d)
+    _checkpoint_flags(p.add_argument_group("the run folder"), d)
+    _output_flags(p.add_argument_group("what the run reports"), d)
+    _add_debug(p)
+    # Options without a flag (a config file may set them), and the file's model shape.
+    p.set_defaults(func=_train, timeout=d.timeout, model_base=d.model, model_config_base={})
+    p.set_defaults(**(defaults or {}))
+    return p
+
+
+def _run_flags(g: Any, d: TrainConfig) -> None:
+    """The run: ranks, steps, batch, seed, timeouts."""
+    g.add_argument(
         "--nproc", type=int, default=d.nproc, help="local ranks (ignored under torchrun)"
     )
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch per step")
-    p.add_argument("--lr", type=float, default=d.lr, help="AdamW's (peak) learning rate")
-    p.add_argument(
+    g.add_argument("--steps", type=int, default=d.steps)
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="global batch per step")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=d.collective_timeout,
+        metavar="S",
+        help="seconds a collective waits for its peers before the rank stops with an error",
+    )
+
+
+def _optimizer_flags(g: Any, d: TrainConfig) -> None:
+    """The optimizer: AdamW's learning rate, its schedule, clipping."""
+    g.add_argument("--lr", type=float, default=d.lr, help="AdamW's (peak) learning rate")
+    g.add_argument(
         "--warmup-steps",
         type=int,
         default=d.warmup_steps,
         metavar="N",
         help="raise the learning rate linearly to --lr over the first N steps (0: none)",
     )
-    p.add_argument(
+    g.add_argument(
         "--lr-schedule",
         choices=["constant", "cosine"],
         default=d.lr_schedule,
         help="after the warmup: keep --lr, or decay it to --min-lr by the last step",
     )
-    p.add_argument(
+    g.add_argument(
         "--min-lr",
         type=float,
         default=d.min_lr,
         help="with --lr-schedule cosine: the final learning rate (default 0)",
     )
-    p.add_argument(
+    g.add_argument(
         "--clip-grad-norm",
         type=float,
         default=d.clip_grad_norm,
         metavar="X",
         help="scale the gradients to a global norm of at most X (over the whole model)",
     )
-    p.add_argument(
-        "--peak-flops",
-        type=float,
-        default=d.peak_flops,
-        metavar="FLOPS",
-        help="one device's peak FLOP/s, for the summary's MFU (omitted without it)",
-    )
-    p.add_argument(
-        "--sample-tokens",
-        type=int,
-        default=d.sample_tokens,
-        metavar="N",
-        help="after training, generate N tokens (pp 1 only), print them and save "
-        "RUN_DIR/samples.txt (0: none)",
-    )
-    p.add_argument(
-        "--sample-temperature",
-        type=float,
-        default=d.sample_temperature,
-        help="with --sample-tokens: sampling temperature (0, the default, is greedy)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument(
-        "--finalize",
-        choices=["auto", "manual"],
-        default=d.finalize,
-        help="pp=1: finish reductions after backward (auto) or after the loss all-reduce",
-    )
-    p.add_argument(
-        "--fsdp", action="store_true", help="cadence.fully_shard instead of DataParallel"
-    )
-    p.add_argument("--mixed-precision", choices=["none", "bf16"], default=d.mixed_precision)
-    p.add_argument(
-        "--ac",
-        choices=["none", "full", "selective"],
-        default=d.ac,
-        help="activation checkpointing of each block: full keeps only its input and "
-        "recomputes it in backward; selective also keeps its matmul and attention outputs",
-    )
-    p.add_argument(
-        "--dp-replicate",
-        type=int,
-        default=d.dp_replicate,
-        help="with --fsdp: HSDP replicas of the sharded data-parallel ranks (default 1)",
-    )
-    p.add_argument("--pp", type=int, default=d.pp, help="pipeline stages (ranks)")
-    p.add_argument(
-        "--schedule", default=d.schedule, help=f"with --pp: {', '.join(SCHEDULE_NAMES)} (1f1b)"
-    )
-    p.add_argument("--microbatches", type=int, default=d.microbatches, help="with --pp; 0 = 2 x pp")
-    p.add_argument(
-        "--chunks", type=int, default=d.chunks, help="with --pp: stages per rank; 0 = default"
-    )
-    p.add_argument(
-        "--channel-mode",
-        default=d.channel_mode,
-        choices=["", *CHANNEL_MODES],
-        help="with --pp: P2P communicators (per_directed_edge)",
-    )
-    p.add_argument(
+
+
+def _model_flags(g: Any, d: TrainConfig) -> None:
+    """The model: TinyGPT's shape, or another model."""
+    g.add_argument(
         "--model",
         dest="model_factory",
         default=d.model_factory,
@@ -309,123 +282,192 @@ def add_train_subcommand(
         help="train another model than TinyGPT: llama, hf:<ClassName> (transformers, from "
         "--model-config, no weights) or package.module:factory (returns an nn.Module)",
     )
-    p.add_argument(
+    g.add_argument(
         "--model-config",
         type=_json_object,
         default=None,
         metavar="JSON",
         help="--model's keyword arguments, a JSON object (added over [train.model_config])",
     )
-    p.add_argument("--d-model", type=int, default=d.model.d_model)
-    p.add_argument("--layers", type=int, default=d.model.n_layers)
-    p.add_argument(
+    g.add_argument("--d-model", type=int, default=d.model.d_model)
+    g.add_argument("--layers", type=int, default=d.model.n_layers)
+    g.add_argument(
         "--vocab-size",
         type=int,
         default=None,
         help=f"the model's vocabulary (default: what --data needs, else {d.model.vocab_size})",
     )
-    p.add_argument(
+
+
+def _data_flags(g: Any, d: TrainConfig) -> None:
+    """The data: the synthetic task, or the user's tokens, and evaluation."""
+    g.add_argument(
         "--data",
         default=d.data,
         metavar="PATH",
         help="train on stdlib (the Python standard library's source), token shards (.bin: "
         "nanoGPT or llm.c) or text files, instead of the synthetic Markov task",
     )
-    p.add_argument(
+    g.add_argument(
         "--data-dtype",
         default=d.data_dtype,
         choices=["", "uint16", "uint32"],
         help="id type of flat .bin shards (default: llm.c's header, else uint16)",
     )
-    p.add_argument(
+    g.add_argument(
         "--tokenizer",
         default=d.tokenizer,
         metavar="FILE.json",
         help="encode text --data with this tokenizers JSON file (default: byte-level)",
     )
-    p.add_argument(
+    g.add_argument(
         "--val-fraction",
         type=float,
         default=d.val_fraction,
         help="with --data: the last fraction of tokens held out, never trained on (0.01)",
     )
-    p.add_argument(
+    g.add_argument(
         "--eval-every",
         type=int,
         default=d.eval_every,
         metavar="K",
         help="with --data: loss on the held-out tokens every K steps and after the last",
     )
-    p.add_argument(
+    g.add_argument(
         "--eval-batches",
         type=int,
         default=d.eval_batches,
         help="with --eval-every: batches per evaluation (default 4)",
     )
-    p.add_argument(
+
+
+def _parallel_flags(g: Any, d: TrainConfig) -> None:
+    """Parallelism: data parallel, fully_shard, pipeline, compile."""
+    g.add_argument(
+        "--finalize",
+        choices=["auto", "manual"],
+        default=d.finalize,
+        help="pp=1: finish reductions after backward (auto) or after the loss all-reduce",
+    )
+    g.add_argument(
+        "--fsdp", action="store_true", help="cadence.fully_shard instead of DataParallel"
+    )
+    g.add_argument("--mixed-precision", choices=["none", "bf16"], default=d.mixed_precision)
+    g.add_argument(
+        "--ac",
+        choices=["none", "full", "selective"],
+        default=d.ac,
+        help="activation checkpointing of each block: full keeps only its input and "
+        "recomputes it in backward; selective also keeps its matmul and attention outputs",
+    )
+    g.add_argument(
+        "--dp-replicate",
+        type=int,
+        default=d.dp_replicate,
+        help="with --fsdp: HSDP replicas of the sharded data-parallel ranks (default 1)",
+    )
+    g.add_argument("--pp", type=int, default=d.pp, help="pipeline stages (ranks)")
+    g.add_argument(
+        "--schedule", default=d.schedule, help=f"with --pp: {', '.join(SCHEDULE_NAMES)} (1f1b)"
+    )
+    g.add_argument("--microbatches", type=int, default=d.microbatches, help="with --pp; 0 = 2 x pp")
+    g.add_argument(
+        "--chunks", type=int, default=d.chunks, help="with --pp: stages per rank; 0 = default"
+    )
+    g.add_argument(
+        "--channel-mode",
+        default=d.channel_mode,
+        choices=["", *CHANNEL_MODES],
+        help="with --pp: P2P communicators (per_directed_edge)",
+    )
+    g.add_argument(
         "--bucket-cap-mb",
         type=float,
         default=d.bucket_cap_mb,
         help="DataParallel bucket size (default 0.25)",
     )
-    p.add_argument("--run-dir", default="", help="default runs/<timestamp>")
-    p.add_argument(
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="precompile the forward once per data-parallel group (cadence.precompile)",
+    )
+
+
+def _checkpoint_flags(g: Any, d: TrainConfig) -> None:
+    """The run folder: checkpoints, resume, overwrite."""
+    g.add_argument("--run-dir", default="", help="default runs/<timestamp>")
+    g.add_argument(
         "--checkpoint-every",
         type=int,
         default=d.checkpoint_every,
         metavar="K",
         help="checkpoint to RUN_DIR/checkpoints/step-<N> every K steps and after the last",
     )
-    p.add_argument(
+    g.add_argument(
         "--keep",
         type=int,
         default=d.keep,
         metavar="N",
         help="keep this run's newest N checkpoints (another run's are never deleted)",
     )
-    p.add_argument(
+    g.add_argument(
         "--async-checkpoint", action="store_true", help="write checkpoints in the background"
     )
-    p.add_argument(
+    g.add_argument(
         "--resume",
         action="store_true",
         help="continue from the newest complete checkpoint in --run-dir (else start fresh); "
         "without --resume or --overwrite, a --run-dir that holds checkpoints is refused",
     )
-    p.add_argument(
+    g.add_argument(
         "--overwrite",
         action="store_true",
         help="start over in a --run-dir that holds an earlier run's checkpoints: delete "
         "them (every RUN_DIR/checkpoints/step-<N>) before the run starts; not with --resume",
     )
-    p.add_argument(
+    g.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="with --resume: you vouch for --run-dir, so the checkpoint's signature is not "
         "checked (another user's or machine's, or an older cadence's); its hashes still are",
     )
-    p.add_argument(
-        "--collective-timeout",
+
+
+def _output_flags(g: Any, d: TrainConfig) -> None:
+    """What the run reports: MFU, samples, TensorBoard, exported weights."""
+    g.add_argument(
+        "--peak-flops",
         type=float,
-        default=d.collective_timeout,
-        metavar="S",
-        help="seconds a collective waits for its peers before the rank stops with an error",
+        default=d.peak_flops,
+        metavar="FLOPS",
+        help="one device's peak FLOP/s, for the summary's MFU (omitted without it)",
     )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="precompile the forward once per data-parallel group (cadence.precompile)",
+    g.add_argument(
+        "--sample-tokens",
+        type=int,
+        default=d.sample_tokens,
+        metavar="N",
+        help="after training, generate N tokens (pp 1 only), print them and save "
+        "RUN_DIR/samples.txt (0: none)",
     )
-    p.add_argument(
+    g.add_argument(
+        "--sample-temperature",
+        type=float,
+        default=d.sample_temperature,
+        help="with --sample-tokens: sampling temperature (0, the default, is greedy)",
+    )
+    g.add_argument(
         "--tensorboard",
         action="store_true",
         help="also write TensorBoard event files to RUN_DIR/tensorboard",
     )
-    _add_debug(p)
-    # Options without a flag (a config file may set them), and the file's model shape.
-    p.set_defaults(func=_train, timeout=d.timeout, model_base=d.model, model_config_base={})
-    p.set_defaults(**(defaults or {}))
-    return p
+    g.add_argument(
+        "--export",
+        default=d.export,
+        metavar="DIR",
+        help="after the last step, write the weights to DIR/model.safetensors (plain names; "
+        "with config.json for a transformers model, loadable by from_pretrained)",
+    )
 
 
 def _json_object(text: str) -> dict[str, Any]:

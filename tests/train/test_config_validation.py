@@ -165,3 +165,38 @@ def test_memory_estimate() -> None:
     with pytest.raises(TrainConfigError, match=r"--d-model 1000000.*use a smaller"):
         preflight(huge)
     preflight(TrainConfig())
+
+
+# -- a node that rejoins under torchrun (see [Note: a node that rejoins under torchrun]) --
+
+_TORCHRUN = {
+    "TORCHELASTIC_MAX_RESTARTS": "3",
+    "GROUP_WORLD_SIZE": "2",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        ({}, True),
+        ({"TORCHELASTIC_USE_AGENT_STORE": "False"}, False),  # the variable was set
+        ({"TORCHELASTIC_MAX_RESTARTS": "0"}, False),  # no restart: nothing rejoins
+        ({"GROUP_WORLD_SIZE": "1"}, False),  # one node: its agent is the store's owner
+    ],
+    ids=["shared_store", "store_not_shared", "no_restarts", "one_node"],
+)
+def test_a_torchrun_job_whose_nodes_cannot_rejoin_is_refused(
+    change: dict[str, str], refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cadence.train.preflight import torchrun_rejoin_problem
+
+    env = {**_TORCHRUN, **change}
+    problem = torchrun_rejoin_problem(env)
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert problem is not None and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(TrainConfigError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+            preflight(TrainConfig())

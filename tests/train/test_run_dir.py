@@ -18,6 +18,7 @@ Specification:
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -69,14 +70,17 @@ def test_a_fresh_run_into_a_run_dir_with_checkpoints_is_refused(run_a: Path, tmp
 
 
 def test_overwrite_deletes_the_old_checkpoints_and_starts_over(
-    run_a: Path, tmp_path: Path, capfd: pytest.CaptureFixture
+    run_a: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     run = _copy(run_a, tmp_path)
     old = _manifest(run, "step-4").get("lineage")
     flags = [*SMALL, "--steps", "2", "--checkpoint-every", "1", "--keep", "1", "--overwrite"]
-    capfd.readouterr()
+    # The message is a record of the cadence.train logger (pytest's handlers receive
+    # it here; a bare command line shows it on stderr: tests/train/test_log.py).
+    caplog.set_level(logging.INFO, logger="cadence.train")
     assert main(["train", *flags, "--run-dir", str(run)]) == 0
-    assert "deleted the checkpoints of an earlier run (step-2, step-4)" in capfd.readouterr().err
+    said = " ".join(caplog.messages)
+    assert "deleted the checkpoints of an earlier run (step-2, step-4)" in said, said
     assert _names(run) == ["step-2"]  # --keep 1 of the new run
     new = _manifest(run, "step-2")
     assert new["lineage"] and new["lineage"] != old

@@ -43,6 +43,7 @@ from cadence.train.clip import GradClipper
 from cadence.train.config import Layout, TrainConfig
 from cadence.train.data.corpus import corpus_of
 from cadence.train.data.windows import TokenWindows
+from cadence.train.export import ExportPlan
 from cadence.train.lr_schedule import make_scheduler
 from cadence.train.model_factory import build_model
 
@@ -107,6 +108,7 @@ class TrainState:
     lineage: str | None = None
     scheduler: LRScheduler | None = None
     clipper: GradClipper | None = None
+    export_plan: ExportPlan | None = None  # with --export (see cadence.train.export)
 
 
 def topology_for(layout: Layout) -> Topology:
@@ -166,6 +168,8 @@ def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
     log = EventLog(capacity=EVENT_LOG_CAPACITY)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)  # same init on every rank
+    # Before any wrapper or split: it names what the unwrapped model holds.
+    export_plan = ExportPlan.of(model) if cfg.export else None
     blocks = frozenset(map(id, model_blocks(model) or ()))
     if cfg.ac != "none":
         # Before any wrapper: its hooks then run around each checkpointed forward
@@ -176,7 +180,9 @@ def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
         wrapped = _wrap(model, cfg, layout, pg, log, blocks)  # pp=1 always has a wrapper
         wrapped.set_manual_backward_finalization(cfg.finalize == "manual")  # type: ignore[operator]  # _wrap gives a DataParallel or fully_shard module
         opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)
-        state = TrainState(layout, pg, wrapped, None, [wrapped], opt, data, event_log=log)
+        state = TrainState(
+            layout, pg, wrapped, None, [wrapped], opt, data, event_log=log, export_plan=export_plan
+        )
         return _with_update_rules(state, cfg)
     chunks = split_model(model, layout.stages)
     placement = placement_for(layout.schedule, layout.pp, layout.chunks)
@@ -198,7 +204,9 @@ def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
     modules = [runtime.stages[s].module for s in sorted(runtime.stages)]
     params = [p for m in modules for p in m.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
-    state = TrainState(layout, pg, None, runtime, modules, opt, data, event_log=log)
+    state = TrainState(
+        layout, pg, None, runtime, modules, opt, data, event_log=log, export_plan=export_plan
+    )
     return _with_update_rules(state, cfg)
 
 

@@ -122,6 +122,10 @@ __all__ = [
     "load_checkpoint",
 ]
 
+# The name prefix of the pool thread torch's `dcp.async_save` runs a save on (2.13 to
+# 2.15), and how long `wait` gives it to exit once its save has committed.
+_SAVE_THREAD = "AsyncCheckpointExecutor"
+_JOIN_S = 60.0
 # Used with fullmatch only: ASCII digits, no leading zero, nothing after them.
 _STEP = re.compile(r"step-([1-9][0-9]*)")
 # The flags a checkpoint's numbers depend on: a resume under other values would
@@ -491,6 +495,7 @@ class Checkpointer:
         self.root = checkpoint_dir(cfg.run_dir)
         self.rank = dist.get_rank()
         self._pending: Future[None] | None = None
+        self._workers: list[threading.Thread] = []
         self._committed = threading.Event()
         self._failed: BaseException | None = None
         # Every rank is a member (ranks=None), so new_group returns a ProcessGroup.
@@ -541,8 +546,15 @@ class Checkpointer:
             dcp.save(sd, checkpoint_id=tmp)
             self._commit(tmp, step, text)
             return
+        before = set(threading.enumerate())
         fut = dcp.async_save(sd, checkpoint_id=tmp, process_group=self._group)
         assert isinstance(fut, Future)
+        # torch starts one pool thread per save and only asks it to stop (no join), so
+        # it can outlive the future by a moment; `wait` joins it, so no thread of a
+        # save outlives the saver.
+        self._workers = [
+            t for t in set(threading.enumerate()) - before if t.name.startswith(_SAVE_THREAD)
+        ]
         self._committed.clear()
         fut.add_done_callback(lambda f: self._on_done(f, tmp, step, text))
         self._pending = fut
@@ -588,9 +600,23 @@ class Checkpointer:
             # Not fut.result(): the callback (the commit) may still run after it returns.
             self._committed.wait()
             self._pending = None
+            for worker in self._workers:
+                worker.join(timeout=_JOIN_S)
+            self._workers = []
         if self._failed is not None:
             exc, self._failed = self._failed, None
             raise CheckpointError(f"the background checkpoint save failed: {exc}") from exc
 
     def close(self) -> None:
-        self.wait()
+        """Wait for a background save, then free its group: on every exit path.
+
+        After an error in a step too: a save in flight is waited (so it commits whole,
+        or fails and leaves only its temporary folder, which the next run removes) before
+        the caller destroys the default group its collectives ran beside.
+        """
+        try:
+            self.wait()
+        finally:
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None

@@ -181,6 +181,11 @@ class TrainConfig:
     tensorboard: bool = False
     """Rank 0 also writes the loss to TensorBoard event files in ``<run_dir>/tensorboard``
     (needs the ``tensorboard`` package)."""
+    export: str = ""
+    """After the last step, write the trained weights to this folder as one
+    ``model.safetensors`` (the unwrapped model's names, whatever the layout), plus
+    ``config.json`` for a ``transformers`` model, which ``from_pretrained`` then loads
+    without cadence. "" exports nothing."""
     resume: bool = False
     """Continue from the newest complete checkpoint in ``run_dir`` if there is one, else
     start fresh: the same command serves the first launch and every restart. Without
@@ -220,6 +225,9 @@ class TrainConfig:
         problem = text_problem(self.run_dir)
         if problem:
             raise err(f"--run-dir {self.run_dir!r} {problem}")
+        problem = text_problem(self.export)
+        if problem:
+            raise err(f"--export {self.export!r} {problem}")
         self._check_data()
         _check_model(self.model)
         self._check_model_factory()

@@ -27,17 +27,30 @@ passes may still not:
 
 The limit is the machine's physical memory (``os.sysconf``); where that is unknown,
 1 TiB. Absurd sizes (a typo's extra zeros) exceed either by orders of magnitude.
+
+[Note: a node that rejoins under torchrun]
+With ``--max-restarts`` above 0 across nodes, torchrun restarts every worker when one
+node fails, and a node that comes back must rendezvous again. By default the agents
+share the rendezvous's TCP store with their workers (``TORCHELASTIC_USE_AGENT_STORE``
+is True in a worker's environment); then the returning agent waits for a key the
+surviving rank-0 agent never publishes again, and every agent exits with
+``DistStoreError: wait timeout ... MASTER_ADDR`` before any worker starts (torch 2.13
+to 2.15, a plain DDP script alike). With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in
+each agent's environment the node rejoins and the run resumes from its checkpoint.
+A worker cannot change its agent's settings, so `preflight` refuses such a run at its
+start, naming the variable, rather than letting it fail at the first fault.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from cadence.train._errors import TrainConfigError
 from cadence.train.config import TrainConfig
 
-__all__ = ["memory_needed", "preflight"]
+__all__ = ["memory_needed", "preflight", "torchrun_rejoin_problem"]
 
 _RANK_BYTES = 100 * 2**20
 _UNKNOWN_MEMORY = 2**40
@@ -50,11 +63,35 @@ def preflight(cfg: TrainConfig) -> None:
     ``--data`` that exists and fits the model (`cadence.train.data.corpus`)."""
     _check_run_dir_path(cfg.run_dir)
     _check_memory(cfg)
+    problem = torchrun_rejoin_problem(os.environ)
+    if problem:
+        raise TrainConfigError(problem)
     if cfg.data:
         # Imported here: numpy and the file walk only for a run that reads data.
         from cadence.train.data.corpus import check_corpus
 
         check_corpus(cfg, cfg.world_size)
+
+
+def torchrun_rejoin_problem(env: Mapping[str, str]) -> str | None:
+    """Why a node of this torchrun job could not rejoin after a fault, or None.
+
+    See [Note: a node that rejoins under torchrun]; ``env`` is a worker's environment.
+    """
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+        nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+    except ValueError:
+        return None  # not torchrun's values: nothing to say about its rendezvous
+    if restarts > 0 and nodes > 1 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (
+            f"torchrun runs {nodes} nodes with --max-restarts {restarts}, but its agents "
+            "share their rendezvous store, so a node that fails and comes back cannot "
+            "rejoin (its agent waits for a key that is never written again); start every "
+            "agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment (see "
+            "docs/multinode.md), or run with --max-restarts 0"
+        )
+    return None
 
 
 def _check_run_dir_path(run_dir: str) -> None:

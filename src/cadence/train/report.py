@@ -17,7 +17,7 @@ from cadence.train.config import Layout, TrainConfig
 from cadence.train.config_file import config_to_toml
 from cadence.train.metrics import attention_shape, flops_per_token, mfu
 
-__all__ = ["Progress", "print_table", "summarize", "write_config", "write_metrics"]
+__all__ = ["Progress", "print_samples", "print_table", "summarize", "write_config", "write_metrics"]
 
 
 class Progress:
@@ -119,6 +119,11 @@ def _memory(summary: dict[str, Any]) -> str:
     if not per_rank:
         return "n/a"
     return f"max {max(per_rank):.0f} MiB over {len(per_rank)} ranks ({summary['peak_memory_kind']})"
+
+
+def print_samples(text: str) -> None:
+    """The generated samples, on stdout: the command's output, like the table."""
+    print(text, end="")
 
 
 def print_table(

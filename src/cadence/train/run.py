@@ -15,10 +15,10 @@ every rank's return value to the parent).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,9 @@ from cadence.train.checkpoint import (
     load_checkpoint,
 )
 from cadence.train.config import TrainConfig
+from cadence.train.export import export_weights
 from cadence.train.history import RunHistory
+from cadence.train.log import console, logger
 from cadence.train.loop import run_loop
 from cadence.train.metrics import flop_params, peak_memory_bytes
 from cadence.train.plots import (
@@ -48,7 +50,14 @@ from cadence.train.plots import (
     capped_timeline,
     write_plots,
 )
-from cadence.train.report import Progress, print_table, summarize, write_config, write_metrics
+from cadence.train.report import (
+    Progress,
+    print_samples,
+    print_table,
+    summarize,
+    write_config,
+    write_metrics,
+)
 from cadence.train.sample import sample_text
 
 __all__ = ["run_rank", "train"]
@@ -56,6 +65,7 @@ __all__ = ["run_rank", "train"]
 
 def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     """One rank's whole run (called in each spawned rank, or directly under torchrun)."""
+    console()  # a spawned rank starts with nothing configured: see the note in log.py
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.nproc)))
     # Validated for the real world size before the first collective (init).
     layout = cfg.layout()
@@ -63,58 +73,66 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     state = build_state(cfg, pg)
     if cfg.data and pg.rank == 0:
         corpus = state.data.corpus  # type: ignore[union-attr]  # cfg.data: state.data is a TokenWindows
-        print(
-            f"cadence train: data: {corpus.what}: {len(corpus.train):,} training tokens, "
-            f"{len(corpus.val):,} held out",
-            file=sys.stderr,
-            flush=True,
+        logger.info(
+            "data: %s: %s training tokens, %s held out",
+            corpus.what,
+            f"{len(corpus.train):,}",
+            f"{len(corpus.val):,}",
         )
     history = RunHistory()
     if cfg.resume:
         history, note = load_checkpoint(cfg, state)
         if pg.rank == 0:
-            print(f"cadence train: {note}", file=sys.stderr, flush=True)
+            logger.info("%s", note)
     reports = Comm(None, name="report")  # see [Note: reports go to rank 0]
     compiled: list[Any] | None = None
     if cfg.compile:
         from cadence.train.compile import compile_state  # imports the precompile stack
 
         compiled = _to_rank0(reports, compile_state(cfg, state))
-    saver = Checkpointer(cfg, state) if cfg.checkpoint_every else None
-    bar = Progress(cfg.steps, state.step) if pg.rank == 0 else None
-    board = _tensorboard(cfg, state.step) if cfg.tensorboard and pg.rank == 0 else None
-
-    def on_step(step: int, loss: float) -> None:
-        history.losses.append(loss)
-        if bar is not None:
-            bar(step, loss)
-        if board is not None:
-            board.add_scalar("loss", loss, step + 1)
+    # Closed on every path, in reverse (an error in a step included): a save in flight
+    # is waited and its group freed before the caller destroys the default group.
+    with contextlib.ExitStack() as closing:
+        saver = Checkpointer(cfg, state) if cfg.checkpoint_every else None
         if saver is not None:
-            saver.after_step(history)
-
-    def on_eval(step: int, loss: float) -> None:
-        history.evals.append((step + 1, loss))
-        if pg.rank == 0:
-            print(f"eval after step {step + 1}: loss {loss:.4f}", file=sys.stderr, flush=True)
+            closing.callback(saver.close)
+        bar = Progress(cfg.steps, state.step) if pg.rank == 0 else None
+        if bar is not None:
+            closing.callback(bar.close)
+        board = _tensorboard(cfg, state.step) if cfg.tensorboard and pg.rank == 0 else None
         if board is not None:
-            board.add_scalar("eval_loss", loss, step + 1)
+            closing.callback(board.close)
 
-    result = run_loop(
-        state,
-        max(0, cfg.steps - state.step),
-        cfg.batch_size,
-        on_step,
-        eval_every=cfg.eval_every,
-        eval_batches=cfg.eval_batches,
-        on_eval=on_eval,
-    )
-    if saver is not None:
-        saver.close()
-    if bar is not None:
-        bar.close()
-    if board is not None:
-        board.close()
+        def on_step(step: int, loss: float) -> None:
+            history.losses.append(loss)
+            if bar is not None:
+                bar(step, loss)
+            if board is not None:
+                board.add_scalar("loss", loss, step + 1)
+            if saver is not None:
+                saver.after_step(history)
+
+        def on_eval(step: int, loss: float) -> None:
+            history.evals.append((step + 1, loss))
+            if pg.rank == 0:
+                logger.info("eval after step %d: loss %.4f", step + 1, loss)
+            if board is not None:
+                board.add_scalar("eval_loss", loss, step + 1)
+
+        result = run_loop(
+            state,
+            max(0, cfg.steps - state.step),
+            cfg.batch_size,
+            on_step,
+            eval_every=cfg.eval_every,
+            eval_batches=cfg.eval_batches,
+            on_eval=on_eval,
+        )
+    if cfg.export:
+        assert state.export_plan is not None  # build_state makes it with --export
+        path = export_weights(state.export_plan, state.modules, pg, cfg.export)
+        if path is not None:
+            logger.info("exported the weights to %s", path)
     # Collective on every rank: see [Note: samples are generated in lockstep].
     samples = sample_text(cfg, state) if cfg.sample_tokens else None
     n_params = torch.tensor([flop_params(state.modules)], dtype=torch.int64)
@@ -226,6 +244,7 @@ def _tensorboard(cfg: TrainConfig, start: int) -> Any:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run ``cadence train``; rank 0 writes ``metrics.json``, ``config.toml``, the
     plots, and returns the summary."""
+    console()
     # Resolved before the launch, so the launched ranks share it. (Under torchrun each
     # process resolves its own; only rank 0 writes, and checkpoints need --run-dir.)
     if not cfg.run_dir:
@@ -240,11 +259,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.overwrite and (not under_torchrun or int(os.environ["RANK"]) == 0):
         deleted = delete_checkpoints(cfg.run_dir)
         if deleted:
-            print(
-                f"cadence train: --overwrite deleted the checkpoints of an earlier run "
-                f"({', '.join(deleted)}) in {checkpoint_dir(cfg.run_dir)}",
-                file=sys.stderr,
-                flush=True,
+            logger.info(
+                "--overwrite deleted the checkpoints of an earlier run (%s) in %s",
+                ", ".join(deleted),
+                checkpoint_dir(cfg.run_dir),
             )
     if under_torchrun:
         result = _run_torchrun_rank(cfg)
@@ -262,11 +280,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     write_config(cfg, run_dir)
     if result.get("samples") is not None:
         (run_dir / "samples.txt").write_text(result["samples"], encoding="utf-8")
-        print(result["samples"], end="")
+        print_samples(result["samples"])
     plots = write_plots(
         run_dir, result["history"], result["timeline"], _timeline_note(result["timeline_bounds"])
     )
     if isinstance(plots, str):
-        print(f"cadence train: {plots}", file=sys.stderr)
+        logger.warning("%s", plots)
     print_table(summary, run_dir, result.get("precompile"))
     return summary
