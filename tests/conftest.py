@@ -14,6 +14,13 @@ records; an earlier release's are history). A module marked ``primary_lane`` che
 that plumbing, or scripts around it, and runs on the primary lane only: ``./dev test``
 sets ``CADENCE_TORCH_LANE`` and ``CADENCE_PRIMARY_LANE``, and another lane deselects
 the module. Run by hand (no lane set), everything runs.
+
+[Note: costly launcher tests run on the other lane only]
+The primary lane is the longest and closest to CI's budget. A test marked
+``other_lane`` exercises, at a cost of tens of seconds, what both lanes share: torchrun
+agents as emulated nodes, world-4 variants of a path whose world-2 cases run on every
+lane. ``./dev test`` runs it on the lanes other than the primary one (today 2.13), so
+each CI run still runs it once. Run by hand (no lane set), everything runs.
 """
 
 from __future__ import annotations
@@ -62,6 +69,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "primary_lane: checks the benchmarks, which measure against the primary torch; "
         "other lanes skip it",
     )
+    config.addinivalue_line(
+        "markers",
+        "other_lane: costly and alike on every lane; the primary lane skips it (budget)",
+    )
     if config.getoption("--torch-free") == "only":
         if any(m == "torch" or m.startswith("torch.") for m in sys.modules):
             raise pytest.UsageError("--torch-free=only: torch was imported before the tests")
@@ -91,6 +102,11 @@ def _other_lane() -> bool:
     return lane is not None and primary is not None and lane != primary
 
 
+def _primary_lane() -> bool:
+    lane, primary = os.environ.get("CADENCE_TORCH_LANE"), os.environ.get("CADENCE_PRIMARY_LANE")
+    return lane is not None and lane == primary
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     mode = config.getoption("--torch-free")
     selected = items
@@ -99,6 +115,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         selected = [i for i in selected if (i.get_closest_marker("torch_free") is not None) == keep]
     if _other_lane():  # see [Note: benchmark tests run on the primary lane only]
         selected = [i for i in selected if i.get_closest_marker("primary_lane") is None]
+    elif _primary_lane():  # see [Note: costly launcher tests run on the other lane only]
+        selected = [i for i in selected if i.get_closest_marker("other_lane") is None]
     if len(selected) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in selected])
         items[:] = selected

@@ -213,6 +213,7 @@ DIST_USERS: dict[str, tuple[set[str], str]] = {
     "data_parallel/_wrapper.py": ({DIST, MESH}, "ProcessGroup and DeviceMesh as group= types"),
     "data_parallel/_join.py": ({DIST, JOIN}, "torch's Join protocol; ProcessGroup type"),
     "data_parallel/_ddp_args.py": ({DIST, MESH}, "DDP's process_group / device_mesh types"),
+    "data_parallel/comm_hooks.py": ({DIST}, "a hook's annotation checked against GradBucket"),
     "fsdp/": ({DTENSOR, MESH, FSDP2}, "DTensor parameters on a mesh; FSDP2's policy types"),
     "fsdp/_unit.py": ({DIST}, "this rank's index in the shard group"),
     "pipeline/schedule/compare.py": ({PIPELINING}, "torch's schedule lists, when called"),
@@ -224,9 +225,10 @@ DIST_USERS: dict[str, tuple[set[str], str]] = {
     "precompile/_api.py": ({DIST}, "works with or without a process group"),
     "precompile/_share.py": ({DIST}, "the default group when there is one"),
     "train/": ({DCP}, "checkpoints through DCP"),
-    "train/run.py": ({DIST}, "object all-gathers around the loop; destroys its group"),
+    "train/run.py": ({DIST}, "destroys the group it created"),
     "train/checkpoint.py": ({DIST}, "a gloo group for async saves; rank 0's verdict"),
     "train/clip.py": ({DTENSOR}, "the local shard of a fully_shard gradient"),
+    "train/export.py": ({DTENSOR}, "a fully_shard parameter gathered for --export"),
     "bench/": ({DIST, MESH, FSDP2, PIPELINING}, "times torch's own DDP, FSDP2, pipelining"),
 }
 

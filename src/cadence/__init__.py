@@ -21,12 +21,13 @@ from cadence.launch import LaunchError, launch
 
 __version__ = "0.1.0"
 
+# What a user writes. The plumbing those names hand back (a collective's work and
+# event, a data-parallel window's state, a rank's coordinates) is imported from its
+# own module: `cadence.comm`, `cadence.data_parallel`, `cadence.topology`.
+
 _LAZY = {
     "Comm": "cadence.comm:Comm",
     "CollectiveAlgorithms": "cadence.comm:CollectiveAlgorithms",
-    "CommEvent": "cadence.comm:CommEvent",
-    "CommWork": "cadence.comm:CommWork",
-    "Coords": "cadence.topology:Coords",
     "DataParallel": "cadence.data_parallel:DataParallel",
     "EventLog": "cadence.comm:EventLog",
     "FullyShardedModule": "cadence.fsdp:FullyShardedModule",
@@ -37,7 +38,6 @@ _LAZY = {
     "ReductionHandle": "cadence.comm:ReductionHandle",
     "Schedule": "cadence.pipeline:Schedule",
     "Topology": "cadence.topology:Topology",
-    "WindowState": "cadence.data_parallel:WindowState",
     "build_pipeline": "cadence.pipeline:build_pipeline",
     "fully_shard": "cadence.fsdp:fully_shard",
     "gradient_timing": "cadence._torch_timing:gradient_timing",
@@ -59,23 +59,18 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from cadence.comm import (
         CollectiveAlgorithms,
         Comm,
-        CommEvent,
-        CommWork,
         EventLog,
         ReductionHandle,
     )
-    from cadence.data_parallel import DataParallel, WindowState
+    from cadence.data_parallel import DataParallel
     from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
     from cadence.pipeline import PipelineStage, Schedule, build_pipeline
-    from cadence.topology import Coords, ParallelGroups, Topology
+    from cadence.topology import ParallelGroups, Topology
 
 __all__ = [
     "CadenceError",
     "CollectiveAlgorithms",
     "Comm",
-    "CommEvent",
-    "CommWork",
-    "Coords",
     "DataParallel",
     "EventLog",
     "FullyShardedModule",
@@ -87,7 +82,6 @@ __all__ = [
     "ReductionHandle",
     "Schedule",
     "Topology",
-    "WindowState",
     "__version__",
     "build_pipeline",
     "fully_shard",
