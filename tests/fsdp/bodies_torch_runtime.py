@@ -126,6 +126,15 @@ class _Pair:
         self.log.clear()
         return ours, self.counter.take()
 
+    def backward(self, what: str, loss_of: Callable[[nn.Module], torch.Tensor]) -> None:
+        """``loss_of(model).backward()`` on each model in turn; the losses must agree."""
+        losses = []
+        for m in (self.ours, self.theirs):
+            loss = loss_of(m)
+            loss.backward()
+            losses.append(float(loss.detach()))
+        _same_loss(what, *losses)
+
     def check(self, what: str, *, grads: bool = True, tol: float = 1e-6) -> None:
         if grads:
             _same(f"{what} grads", _full_grads(self.ours), _full_grads(self.theirs), tol)

@@ -2,6 +2,7 @@
 
 from cadence.fsdp._api import MixedPrecisionPolicy
 from cadence.fsdp._errors import FullyShardError, FullyShardValueError
+from cadence.fsdp._forward_methods import register_fsdp_forward_method
 from cadence.fsdp._fully_shard import FullyShardedModule, UnshardHandle, fully_shard
 
 __all__ = [
@@ -11,4 +12,5 @@ __all__ = [
     "MixedPrecisionPolicy",
     "UnshardHandle",
     "fully_shard",
+    "register_fsdp_forward_method",
 ]

@@ -79,11 +79,15 @@ class MixedPrecisionPolicy:
                     f"use one of {', '.join(str(d) for d in _FLOATS)} or None"
                 )
 
-    def resolve(self, orig: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-        """(param, reduce, accumulate) dtypes for parameters whose own dtype is ``orig``."""
+    def resolve(
+        self, orig: torch.dtype, grad: torch.dtype | None = None
+    ) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """(param, reduce, accumulate) dtypes for parameters whose own dtype is ``orig``
+        and whose ``grad_dtype`` is ``grad`` if the user set one."""
         param = self.param_dtype or orig
-        # See [Note: the default reduce dtype follows the installed torch] in _mp_rules.py.
-        default_reduce = orig if REDUCE_DEFAULTS_TO_ORIG_DTYPE else param
+        # See [Note: the default reduce dtype follows the installed torch] in _mp_rules.py
+        # and [Note: a parameter's grad_dtype] there.
+        default_reduce = (grad or orig) if REDUCE_DEFAULTS_TO_ORIG_DTYPE else param
         reduce = self.reduce_dtype or default_reduce
         return param, reduce, self.accumulate_dtype or reduce
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from cadence.errors import CadenceRuntimeError, CadenceValueError
 
-__all__ = ["FullyShardError", "FullyShardValueError"]
+__all__ = ["FullyShardError", "FullyShardUnsupportedError", "FullyShardValueError"]
 
 
 class FullyShardError(CadenceRuntimeError):
@@ -25,4 +25,13 @@ class FullyShardValueError(FullyShardError, CadenceValueError):
     parameter, a parameter tied into another unit: torch's ``fully_shard`` raises
     ``ValueError`` for these, so this error is one too (and a `FullyShardError`), and
     ``except ValueError`` code written for FSDP2 keeps working.
+    """
+
+
+class FullyShardUnsupportedError(FullyShardError, NotImplementedError):
+    """A parameter layout fully_shard does not shard, where FSDP2 raises NotImplementedError.
+
+    A non-contiguous parameter (a ``channels_last`` convolution's weight): torch's
+    ``fully_shard`` raises ``NotImplementedError``, so this error is one too (and a
+    `FullyShardError`), and code written for FSDP2 keeps catching it.
     """

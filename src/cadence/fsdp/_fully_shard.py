@@ -23,7 +23,7 @@ from cadence.fsdp._api import MixedPrecisionPolicy, check_fully_shard_args, to_m
 from cadence.fsdp._cross_load import adopt_state_dict
 from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._materialize import check_param_devices, conversion_name, conversion_target
-from cadence.fsdp._module_checks import check_module, refuse_deepcopy
+from cadence.fsdp._module_checks import check_contiguous, check_module, refuse_deepcopy
 from cadence.fsdp._overlap import OverlapOptimizer
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
 from cadence.fsdp._root_runtime import RootRuntime
@@ -111,6 +111,21 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
     @property
     def _runtime(self) -> RootRuntime:
         return self._cadence_runtime
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # [Note: a slice of a sharded container is a plain container]
+        # ``Sequential[:2]`` (and ModuleList slicing) builds ``type(self)(children)``.
+        # That slice is no unit: it has no flat shard and no runtime, so a wrapped class
+        # would fail on its first ``state_dict()`` or ``to()``. As FSDP2, a call with
+        # arguments builds the original class. Pickle's argument-less ``__new__``
+        # (``torch.save`` of a sharded module) still gets the wrapped class.
+        if not (args or kwargs) or cls is FullyShardedModule:
+            return super().__new__(cls)
+        orig: Any = cls.__mro__[2]  # (FullyShard<Cls>, FullyShardedModule, Cls, ...)
+        new: Any = orig.__new__
+        obj = new(orig) if new is object.__new__ else new(orig, *args, **kwargs)
+        obj.__init__(*args, **kwargs)
+        return obj
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         refuse_deepcopy(self)  # as FSDP2: [Note: modules fully_shard refuses]
@@ -511,6 +526,10 @@ def fully_shard(
     _check_placements(params, shard_placement_fn)
     check_param_devices(params, layout.device, type(module).__name__)
     originals = [reg[0]._parameters[reg[1]] for reg in (info.registrations[0] for info in params)]
+    check_contiguous(
+        [(info.fqn, p) for info, p in zip(params, originals, strict=True) if p is not None],
+        type(module).__name__,
+    )
     unit = _make_unit(module, params, layout, mp_policy, reshard_after_forward, event_log)
     # Later calls recognise these parameters: [Note: parameter identity across units].
     claim(unit, [p for p in originals if p is not None])

@@ -15,18 +15,27 @@
 - ``copy.deepcopy`` of a sharded module: the copy would share the unit's flat shard,
   runtime and hooks with the original (or fail on their storages). FSDP2 refuses it
   ("FSDP does not support deepcopy"); cadence refuses it with the state-dict fix.
+- A non-contiguous parameter (a ``channels_last`` convolution's weight): a unit keeps
+  each parameter as rows of one flat buffer, so it would come back contiguous, in a
+  memory format the user did not choose, and its gradient too. FSDP2 refuses it with
+  ``NotImplementedError``; cadence raises `FullyShardUnsupportedError`, which is one.
 """
 
 from __future__ import annotations
 
 from typing import Any, NoReturn
 
+import torch
 from torch import nn
 
 from cadence.errors import CadenceTypeError
-from cadence.fsdp._errors import FullyShardError, FullyShardValueError
+from cadence.fsdp._errors import (
+    FullyShardError,
+    FullyShardUnsupportedError,
+    FullyShardValueError,
+)
 
-__all__ = ["check_module", "refuse_deepcopy"]
+__all__ = ["check_contiguous", "check_module", "refuse_deepcopy"]
 
 
 def check_module(module: Any) -> None:
@@ -62,3 +71,25 @@ def refuse_deepcopy(module: nn.Module) -> NoReturn:
         "model before fully_shard, or build a new model, fully_shard it, and load "
         "state_dict() (or full_state_dict() with load_full_state_dict()) into it."
     )
+
+
+def _memory_format(p: torch.Tensor) -> str:
+    if p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last):
+        return "channels_last"
+    if p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d):
+        return "channels_last_3d"
+    return f"strides {tuple(p.stride())}"
+
+
+def check_contiguous(named: list[tuple[str, torch.Tensor]], owner: str) -> None:
+    """Refuse non-contiguous parameters: [Note: modules fully_shard refuses]."""
+    for fqn, p in named:
+        if not p.is_meta and not p.is_contiguous():
+            raise FullyShardUnsupportedError(
+                f"parameter {fqn!r} of {owner} is not contiguous ({_memory_format(p)}): "
+                "fully_shard keeps parameters as rows of a flat buffer and would hand it "
+                "back in contiguous_format, and FSDP2 refuses it too. Fix: keep parameters "
+                "contiguous (module.to(memory_format=torch.contiguous_format) before "
+                "fully_shard) and pass channels_last activations instead, which the "
+                "convolution follows."
+            )

@@ -30,6 +30,7 @@ from cadence.fsdp._errors import FullyShardError
 __all__ = [
     "REDUCE_DEFAULTS_TO_ORIG_DTYPE",
     "check_torch_policy_fields",
+    "grad_dtype_override",
     "set_unsharded_grad_dtype",
     "unsharded_grad_dtype",
 ]
@@ -62,6 +63,43 @@ def set_unsharded_grad_dtype(param: nn.Parameter, reduce_dtype: torch.dtype) -> 
     """
     if REDUCE_DEFAULTS_TO_ORIG_DTYPE:
         param.grad_dtype = reduce_dtype
+
+
+def _overridden(p: nn.Parameter) -> torch.dtype | None:
+    if getattr(p, "_has_grad_dtype_override", True) is False:
+        return None
+    # torch 2.13 has no override flag: an explicit grad_dtype equal to the parameter's
+    # dtype is the same as none there, and None accepts the dtype the unit gives.
+    dtype = p.grad_dtype
+    return None if dtype is None or dtype == p.dtype else dtype
+
+
+def grad_dtype_override(named: list[tuple[str, nn.Parameter]], owner: str) -> torch.dtype | None:
+    """The ``Parameter.grad_dtype`` a unit's sharded gradients keep, if the user set one.
+
+    [Note: a parameter's grad_dtype]
+    ``p.grad_dtype = torch.float32`` on a bf16 parameter asks autograd for fp32
+    gradients (pure-bf16 training with fp32 gradients). FSDP2 2.15 honours it: the
+    sharded parameter keeps the policy, its gradient is written in that dtype, and an
+    unset ``reduce_dtype`` reduces in it. cadence does the same on every torch lane
+    (torch before 2.15 dropped it): the unit's default reduce dtype follows it under
+    the 2.15 rule (see [Note: the default reduce dtype follows the installed torch]),
+    and the reduced shard is written in it. One unit writes one flat gradient, so its
+    parameters must agree; parameters that differ are refused, naming them.
+    """
+    found = {name: d for name, p in named if p.requires_grad and (d := _overridden(p))}
+    dtypes = set(found.values())
+    if not dtypes:
+        return None
+    plain = sorted(name for name, p in named if p.requires_grad and name not in found)
+    if len(dtypes) > 1 or plain:
+        raise FullyShardError(
+            f"fully_shard({owner}): the parameters' grad_dtype differ "
+            f"({ {n: str(d) for n, d in sorted(found.items())} }, unset for {plain}); one "
+            "unit writes its gradients in one dtype. Fix: set the same grad_dtype on every "
+            "parameter of the unit, or shard the differing ones as a separate unit."
+        )
+    return dtypes.pop()
 
 
 # The fields of torch's MixedPrecisionPolicy that `to_mp_policy` converts. Any other field

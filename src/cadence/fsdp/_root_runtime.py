@@ -84,6 +84,9 @@ class RootRuntime:
         self.state = TrainingState.IDLE
         self.forward_order: list[Unit] = []
         self.last_forward_order: list[Unit] = []
+        # Units whose latest forward ran on its own, outside the root's forward and any
+        # backward: [Note: a unit run outside the root's forward].
+        self.standalone: set[Unit] = set()
         self.backward_active = False
         self.split_part: str | None = None  # see [Note: split backward parts] in _timing.py
         # A fully_shard module's _apply is running: units it reaches re-seat only after it.
@@ -166,7 +169,12 @@ class RootRuntime:
             if self.overlap is not None and torch.is_grad_enabled():
                 self.overlap.check_forward()
             self.forward_order = []
+            self.standalone.clear()
             self.state = TrainingState.FORWARD
+        elif self.state is TrainingState.IDLE and not self.backward_active:
+            self.standalone.add(unit)
+        else:
+            self.standalone.discard(unit)
         if unit not in self.forward_order:
             self.forward_order.append(unit)
         unit.sync_requires_grad()  # see [Note: requires_grad after sharding] in _unit.py
@@ -215,9 +223,19 @@ class RootRuntime:
                 return [order[i + 1]]
         return []
 
+    # [Note: a unit run outside the root's forward]
+    # A loss may call a unit on its own after the root's forward: a head run per chunk
+    # of the hidden states (chunked cross-entropy), each chunk's backward its own. That
+    # backward reaches only the unit, so the unit before it in the forward order is no
+    # backward-prefetch target: gathering it would be undone by the end of that backward
+    # and cost one all-gather per chunk. An explicit set_modules_to_backward_prefetch
+    # still holds.
+
     def backward_targets(self, unit: Unit) -> list[Unit]:
         if unit.backward_prefetch is not None:
             return unit.backward_prefetch
+        if unit in self.standalone:
+            return []
         order = self.forward_order
         if unit in order:
             i = order.index(unit)

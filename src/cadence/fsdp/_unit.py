@@ -20,7 +20,11 @@ from cadence.fsdp._api import MixedPrecisionPolicy
 from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._grad_hooks import run_post_accumulate_grad_hooks
 from cadence.fsdp._materialize import plan_reseat, replaced, seat
-from cadence.fsdp._mp_rules import set_unsharded_grad_dtype, unsharded_grad_dtype
+from cadence.fsdp._mp_rules import (
+    grad_dtype_override,
+    set_unsharded_grad_dtype,
+    unsharded_grad_dtype,
+)
 from cadence.fsdp._param import ParamInfo, make_layout, make_sharded_param
 from cadence.fsdp._streams import StreamSet
 
@@ -72,6 +76,14 @@ class PendingReduction:
         return self.input_nbytes
 
 
+def _registered_param(info: ParamInfo) -> nn.Parameter:
+    """The parameter as the module registered it, before the unit shards it."""
+    module, name = info.registrations[0]
+    p = module._parameters[name]
+    assert p is not None
+    return p
+
+
 def _set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
     torch._C._autograd._unsafe_set_version_counter(tuple(tensors), tuple(versions))
 
@@ -107,7 +119,13 @@ class Unit:
                 "them in separate units."
             )
         self.orig_dtype = dtypes.pop() if dtypes else torch.float32
-        self.param_dtype, self.reduce_dtype, self.accum_dtype = mp_policy.resolve(self.orig_dtype)
+        # [Note: a parameter's grad_dtype] in _mp_rules.py; read before sharding replaces them.
+        self.grad_dtype = grad_dtype_override(
+            [(info.fqn, _registered_param(info)) for info in params], type(module).__name__
+        )
+        self.param_dtype, self.reduce_dtype, self.accum_dtype = mp_policy.resolve(
+            self.orig_dtype, self.grad_dtype
+        )
         # -- flags read late by the hooks (see [Note: flags are read late] in _root_runtime.py) --
         self.reshard_after_forward_arg = reshard_after_forward
         self.reshard_after_forward = (
@@ -129,12 +147,7 @@ class Unit:
         self.path = ""
         # -- sharded storage (on meta for a module built there: see [Note: meta-device init]) --
         self.shard_numel = make_layout(params, self.world, self.rank)
-        fulls = []
-        for info in params:
-            reg_module, reg_name = info.registrations[0]
-            full = reg_module._parameters[reg_name]
-            assert full is not None
-            fulls.append(full)
+        fulls = [_registered_param(info) for info in params]
         meta = any(full.is_meta for full in fulls)
         self.flat_shard = torch.zeros(
             self.shard_numel, dtype=self.orig_dtype, device="meta" if meta else self.device
@@ -149,6 +162,7 @@ class Unit:
                 info.sharded = make_sharded_param(info, self.flat_shard, self.mesh, self.placements)
                 info.local = info.sharded._local_tensor  # type: ignore[attr-defined]  # a DTensor, typed as Parameter
                 info.register(info.sharded)
+        self._keep_grad_dtype()
         # -- unsharded storage: one buffer, freed by resizing its storage to 0 --
         self.unsharded_flat = torch.empty(
             self.world * self.shard_numel, dtype=self.param_dtype, device=self.device
@@ -336,11 +350,25 @@ class Unit:
         )
         if plan.dtype != self.orig_dtype:
             self._retype(plan.dtype)
+        self._keep_grad_dtype()
+
+    def _keep_grad_dtype(self) -> None:
+        """The sharded parameters keep the user's ``grad_dtype`` (new objects lose it)."""
+        if self.grad_dtype is None:
+            return
+        for info in self.params:
+            if info.requires_grad and info.sharded is not None:
+                info.sharded.grad_dtype = self.grad_dtype
 
     def _retype(self, dtype: torch.dtype) -> None:
-        """The parameters now have ``dtype`` (``model.to(dtype)``, ``double()``, ...)."""
+        """The parameters now have ``dtype`` (``model.to(dtype)``, ``double()``, ...).
+
+        A ``grad_dtype`` the user set stays (as FSDP2: an override cannot be unset).
+        """
         self.orig_dtype = dtype
-        self.param_dtype, self.reduce_dtype, self.accum_dtype = self.mp_policy.resolve(dtype)
+        self.param_dtype, self.reduce_dtype, self.accum_dtype = self.mp_policy.resolve(
+            dtype, self.grad_dtype
+        )
         for info in self.params:  # the reduce dtype follows the new dtype (torch >= 2.15)
             assert info.unsharded is not None
             set_unsharded_grad_dtype(info.unsharded, self.reduce_dtype)
@@ -488,7 +516,8 @@ class Unit:
         [Note: parameters without a gradient]. None: all did.
         """
         self.streams.used_by(rs_output)  # allocated on the reduce-scatter stream
-        out = rs_output if rs_output.dtype == self.orig_dtype else rs_output.to(self.orig_dtype)
+        dtype = self.grad_dtype or self.orig_dtype  # [Note: a parameter's grad_dtype]
+        out = rs_output if rs_output.dtype == dtype else rs_output.to(dtype)
         for i, info in enumerate(self.params):
             if not info.requires_grad:
                 continue
