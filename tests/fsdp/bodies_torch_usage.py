@@ -24,7 +24,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import Shard as Shard0
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from cadence.fsdp import (
     FullyShardedModule,
@@ -34,6 +36,7 @@ from cadence.fsdp import (
 )
 from cadence.fsdp import fully_shard as cadence_fully_shard
 from cadence.fsdp._mp_rules import REDUCE_DEFAULTS_TO_ORIG_DTYPE
+from cadence.testing import max_abs_diff
 from tests._scenarios import assert_raises, cases, scenarios
 from tests.fsdp.bodies_torch_runtime import (
     DIM,
@@ -476,6 +479,144 @@ def a_head_run_per_chunk_outside_the_root_matches_fsdp2(raf: bool) -> None:
         pair.check(f"raf={raf} end", grads=False)
 
 
+# -- 7. which tensors the modules hold; conversions between microbatches -------------------------
+
+
+def _kinds(m: nn.Module) -> dict[str, str]:
+    return {n: type(p).__name__ for n, p in m.named_parameters()}
+
+
+def registered_parameters_after_forward_and_backward_match_fsdp2(raf: bool) -> None:
+    """torch's ``test_param_registration_after_forward`` / ``_after_backward``: after a
+    forward the modules hold sharded DTensors (raf True) or the plain unsharded
+    parameters with the full values (raf False); after backward, DTensors again;
+    ``reshard()`` after a forward restores them. The same kinds as FSDP2 each time."""
+    rank = dist.get_rank()
+
+    def apply(m: nn.Module, shard: Shard) -> None:
+        shard(m[0], raf)
+        shard(m[2], raf)
+        shard(m, raf)
+
+    torch.manual_seed(18)
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, 3))
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with _Pair(model, apply) as pair:
+        x = _local(_batch(0))
+        for phase in ("forward", "backward", "reshard"):
+            for m in (pair.ours, pair.theirs):
+                if phase == "reshard":
+                    with torch.no_grad():
+                        m(x)
+                    for u in (m[0], m[2], m):
+                        u.reshard()
+                elif phase == "forward":
+                    out = m(x)
+                else:
+                    m(x).sum().backward()
+            kinds = [_kinds(m) for m in (pair.ours, pair.theirs)]
+            assert kinds[0] == kinds[1], (
+                f"rank {rank} raf={raf} after {phase}: {kinds[0]} vs FSDP2 {kinds[1]}"
+            )
+            want = "Parameter" if phase == "forward" and not raf else "DTensor"
+            assert set(kinds[0].values()) == {want}, (
+                f"rank {rank} raf={raf} after {phase}: {kinds[0]}"
+            )
+            if want == "Parameter":
+                seen = {n: p.detach() for n, p in pair.ours.named_parameters()}
+                assert max_abs_diff(seen, full) == 0.0, f"rank {rank}: unsharded values differ"
+                for m in (pair.ours, pair.theirs):
+                    out = m(x)
+                    out.sum().backward()  # finish the step the forward began
+                    m.zero_grad()
+
+
+def a_no_op_conversion_between_microbatches_keeps_the_accumulation() -> None:
+    """torch's ``test_no_op_conversion_preserves_pending_grad``: ``model.float()`` on an
+    fp32 model between a no-sync microbatch and the synced one keeps the unsharded
+    accumulation: gradients equal FSDP2's and those of the same steps without it."""
+
+    def run(convert: bool) -> dict[str, torch.Tensor | None]:
+        with _Pair(_mlp(19), _shard_linears) as pair:
+            for mb in range(2):
+                for m in (pair.ours, pair.theirs):
+                    m.set_requires_gradient_sync(mb == 1)
+                x = _local(_batch(mb))
+                pair.backward(f"convert={convert} mb {mb}", lambda m, x=x: m(x).sum())
+                if convert and mb == 0:
+                    for m in (pair.ours, pair.theirs):
+                        m.float()
+            pair.check(f"convert={convert}")
+            return _full_grads(pair.ours)
+
+    _same("grads with a no-op float() between microbatches", run(True), run(False))
+
+
+def a_tensor_parallel_parameter_is_refused_by_name() -> None:
+    """torch's ``test_2d_mlp_with_nd_mesh`` / ``test_3d_mlp_with_nd_mesh`` compose tensor
+    parallelism with FSDP2. cadence does not: a parameter that ``parallelize_module``
+    made a DTensor is refused naming tensor parallelism and the fix (it used to say
+    "fully_shard applied twice?")."""
+    torch.manual_seed(20)
+    model = nn.Sequential(nn.Linear(DIM, DIM))
+    parallelize_module(model, _mesh(), {"0": ColwiseParallel()})
+    assert_raises(
+        lambda: cadence_fully_shard(model),
+        "'0.weight'",
+        "tensor parallelism",
+        "torch's fully_shard for TP + FSDP",
+        kind=FullyShardError,
+    )
+
+
+class _RootParam(nn.Module):
+    """torch's lazy-init test model: a root parameter beside two child units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.empty(DIM))
+        self.lin1 = nn.Linear(DIM, DIM)
+        self.lin2 = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(torch.relu(self.lin1(x) + self.p))
+
+
+def a_root_parameter_replaced_on_a_meta_model_matches_fsdp2() -> None:
+    """torch's ``test_reset_sharded_param_in_lazy_init``: on a meta model, only the
+    children get ``to_empty``, and the root's parameter is replaced by assignment
+    (``model.p = nn.Parameter(<a DTensor sharded as before>)``) after ``fully_shard``;
+    forward and backward then train as under FSDP2 (losses, gradients, kinds)."""
+    rank = dist.get_rank()
+    models = []
+    for lib in ("cadence", "FSDP2"):
+        with torch.device("meta"):
+            m = _RootParam()
+        for child in (m.lin1, m.lin2, m):
+            if lib == "cadence":
+                cadence_fully_shard(child)
+            else:
+                torch_fully_shard(child, mesh=_mesh())
+        for child in (m.lin1, m.lin2):
+            child.to_empty(device="cpu")
+            torch.manual_seed(21)
+            child.reset_parameters()
+        torch.manual_seed(22)
+        # As torch's test: the new parameter is sharded as the old one was.
+        m.p = nn.Parameter(distribute_tensor(torch.randn(DIM), _mesh(), [Shard0(0)]))
+        models.append(m)
+    x = _local(_batch(0))
+    losses = []
+    for m in models:
+        loss = m(x).sum()
+        loss.backward()
+        losses.append(float(loss.detach()))
+    _same_loss("after replacing the root parameter", *losses)
+    _same("grads", *(_full_grads(m) for m in models))
+    kinds = [_kinds(m) for m in models]
+    assert kinds[0] == kinds[1], f"rank {rank}: {kinds[0]} vs FSDP2 {kinds[1]}"
+
+
 SCENARIOS = [
     *cases(clipping_with_each_norm_type_matches_fsdp2, "norm", ["1", "2", "inf"]),
     *cases(a_gradient_scaler_skips_a_step_with_inf_on_one_rank_as_fsdp2, "has_inf", [True, False]),
@@ -491,4 +632,10 @@ SCENARIOS = [
         differing_grad_dtypes_in_one_unit_are_refused,
     ),
     *cases(a_head_run_per_chunk_outside_the_root_matches_fsdp2, "raf", [True, False]),
+    *cases(registered_parameters_after_forward_and_backward_match_fsdp2, "raf", [True, False]),
+    *scenarios(
+        a_no_op_conversion_between_microbatches_keeps_the_accumulation,
+        a_tensor_parallel_parameter_is_refused_by_name,
+        a_root_parameter_replaced_on_a_meta_model_matches_fsdp2,
+    ),
 ]

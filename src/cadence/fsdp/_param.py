@@ -98,9 +98,15 @@ def collect_params(root: nn.Module, *, ignored: set[int] | None = None) -> list[
             if owner is not None:
                 raise tie_error(fqn, owner, root)
             if isinstance(p, DTensor):
+                # Not one of cadence's shards (those are found above): tensor parallelism's
+                # (parallelize_module) or torch's own fully_shard's.
                 raise FullyShardError(
-                    f"parameter {fqn!r} is already a DTensor (fully_shard applied twice?); "
-                    "apply fully_shard once per module, bottom-up."
+                    f"parameter {fqn!r} is already a DTensor {tuple(p.placements)} on "
+                    f"{p.device_mesh}, made by tensor parallelism (parallelize_module) or "
+                    "by torch's fully_shard: cadence's fully_shard shards plain tensors and "
+                    "does not compose with tensor parallelism. Fix: apply it to a model "
+                    "without DTensor parameters (data parallel or HSDP only), or use "
+                    "torch's fully_shard for TP + FSDP."
                 )
             if p.dim() == 0:  # FSDP2 raises ValueError too
                 raise FullyShardValueError(
