@@ -47,23 +47,21 @@ TABLE = "tests/test_allowed_imports.py"
 # foundation; train/, bench/ and cli.py sit on top and nothing imports them.
 _FOUNDATION_FOR_WRAPPERS = {
     "errors.py",
-    "_autograd.py",
-    "_pending_grad.py",
-    "_exchange.py",  # check_algorithms: the wrappers validate set_collective_algorithms
-    "_timing.py",
+    "_grad_timing/",  # the timing verbs, placeholder grads, autograd hooks, part steppers
+    "_modules/",  # the nn.Module conversions both wrappers intercept
+    "_groups/exchange.py",  # check_algorithms: the wrappers validate set_collective_algorithms
     "comm.py",
-    "_dp_layout.py",  # what group= means (topology.py only through it)
+    "_groups/dp_layout.py",  # what group= means (topology.py only through it)
 }
 
 ROOMS: dict[str, set[str]] = {
-    # The public package: lazy names (see _lazy.py), eager only for errors and launch.
+    # The public package: lazy names (see _util/lazy.py), eager only for errors and launch.
     "__init__.py": {
-        "_lazy.py",
+        "_util/",
         "errors.py",
         "launch.py",
-        "_dist_init.py",
-        "_timing.py",
-        "_torch_timing.py",
+        "_groups/dist_init.py",
+        "_grad_timing/",
         "comm.py",
         "topology.py",
         "testing.py",
@@ -74,62 +72,50 @@ ROOMS: dict[str, set[str]] = {
     },
     "__main__.py": {"cli.py"},
     "cli.py": {"errors.py", "launch.py", "bench/", "link/", "pipeline/schedule/", "train/"},
-    # Foundation.
+    # Foundation: the public faces (errors, comm, topology, launch, testing) and four
+    # private rooms below them (see "Rooms of the foundation" in docs/architecture.md).
     "errors.py": set(),
-    "_lazy.py": set(),
-    "_owned.py": {"errors.py"},
-    "_job_secret.py": {"errors.py"},
-    "_autograd.py": set(),
-    "_exchange.py": {"errors.py"},
-    "comm.py": {"errors.py", "_exchange.py", "_event_log.py"},
-    "_event_log.py": {"errors.py"},
-    "_timing.py": {"_autograd.py", "comm.py"},
-    "_pending_grad.py": {"errors.py"},
-    "_overlap_optimizer.py": {"errors.py"},
-    "_torch_timing.py": {"errors.py", "_autograd.py", "_timing.py", "comm.py"},
+    "_util/": {"errors.py"},  # lazy names, owned paths, the job secret
+    "_groups/": {"errors.py", "topology.py"},  # init, group= meaning, exchange, event log
+    "comm.py": {"errors.py", "_groups/exchange.py", "_groups/event_log.py"},
+    "_grad_timing/": {"errors.py", "comm.py"},
+    "_modules/": set(),
     "topology.py": {"errors.py"},
-    "_dp_layout.py": {"errors.py", "topology.py"},
-    "_dist_init.py": {"errors.py", "topology.py"},
-    "launch.py": {"errors.py", "_job_secret.py", "pickling/"},
+    "launch.py": {"errors.py", "_util/", "pickling/"},
     "_worker.py": {"__init__.py"},  # cadence.init() in a launched rank
     "testing.py": {"errors.py", "launch.py"},
     # Rooms.
     "pickling/": {"errors.py"},
     "link/": {"errors.py"},
-    "pipeline/__init__.py": {"_lazy.py", "pipeline/schedule/", "pipeline/runtime/"},
+    "pipeline/__init__.py": {"_util/", "pipeline/schedule/", "pipeline/runtime/"},
     "pipeline/schedule/": {"errors.py"},
     "pipeline/runtime/": {
         "errors.py",
-        "_timing.py",
-        "_torch_timing.py",  # stages may be torch's own DDP / FSDP2 modules
+        "_grad_timing/",  # the verbs; torch_timing: stages may be torch's DDP / FSDP2
         "comm.py",
         "topology.py",
         "pipeline/schedule/",
     },
     # torch's pipelining API, on cadence's schedule layer and runtime.
     "pipelining/": {"pipeline/schedule/", "pipeline/runtime/"},
-    # The wrappers never import each other, but for the meta-device helpers that
-    # fully_shard's module keeps and DataParallel's conversion checks reuse.
-    # _overlap_optimizer.py: the optimizer stepped part by part (buckets; units).
-    "data_parallel/": _FOUNDATION_FOR_WRAPPERS | {"fsdp/_materialize.py", "_overlap_optimizer.py"},
-    "fsdp/": _FOUNDATION_FOR_WRAPPERS | {"_overlap_optimizer.py"},
+    # The wrappers never import each other: what they share is in the foundation.
+    "data_parallel/": _FOUNDATION_FOR_WRAPPERS,
+    "fsdp/": _FOUNDATION_FOR_WRAPPERS,
     "precompile/": {
         "__init__.py",  # cadence.__version__, a field of the cache key
         "errors.py",
-        "_owned.py",
-        "_job_secret.py",
+        "_util/",
         "comm.py",
         "topology.py",
         "pickling/",
         "fsdp/_trace.py",  # a fully_shard unit as its forward sees it, while compiling
     },
-    "models/": {"errors.py", "_lazy.py"},
+    "models/": {"errors.py", "_util/"},
     "train/": {
         "errors.py",
-        "_lazy.py",
-        "_timing.py",  # GradientTiming: the verbs the loop calls on either wrapper
-        "_owned.py",
-        "_dist_init.py",
+        "_util/",
+        "_grad_timing/",  # GradientTiming: the verbs the loop calls on either wrapper
+        "_groups/dist_init.py",
         "launch.py",
         "comm.py",
         "topology.py",
@@ -164,9 +150,7 @@ TORCH_FREE: dict[str, str] = {
     "__main__.py": ON_CALL,
     "cli.py": ON_CALL,  # the whole parser builds without torch
     "errors.py": NEVER,
-    "_lazy.py": NEVER,
-    "_owned.py": NEVER,
-    "_job_secret.py": NEVER,
+    "_util/": NEVER,
     "launch.py": NEVER,  # imported eagerly by cadence/__init__.py
     "pickling/": NEVER,
     "link/": NEVER,  # namespaces and tc: plain Linux plumbing
@@ -198,18 +182,24 @@ DCP, PIPELINING, JOIN = f"{DIST}.checkpoint", f"{DIST}.pipelining", f"{DIST}.alg
 
 # [Note: who calls torch.distributed]
 # Collectives and point-to-point messages of the training path go through comm.py
-# (and its _exchange.py). The process-group API is also used, directly, for what
+# (and its _groups/exchange.py). The process-group API is also used, directly, for what
 # Comm does not do: starting the job, creating groups, asking a group for ranks,
 # and a few object collectives of the trainer around its loop. Each entry says why.
 DIST_USERS: dict[str, tuple[set[str], str]] = {
     "comm.py": ({DIST}, "the collective adapter: collectives and point-to-point messages"),
-    "_exchange.py": ({DIST}, "Comm's exchange collectives: messages posted from its threads"),
-    "_dist_init.py": ({DIST}, "cadence.init: init_process_group and its rendezvous store"),
+    "_groups/exchange.py": (
+        {DIST},
+        "Comm's exchange collectives: messages posted from its threads",
+    ),
+    "_groups/dist_init.py": ({DIST}, "cadence.init: init_process_group and its rendezvous store"),
     "topology.py": ({DIST, MESH}, "creates the parallel axes' groups and mesh"),
-    "_dp_layout.py": ({DIST, MESH, DTENSOR}, "group= as groups and a mesh; DTensor placements"),
+    "_groups/dp_layout.py": (
+        {DIST, MESH, DTENSOR},
+        "group= as groups and a mesh; DTensor placements",
+    ),
     "_worker.py": ({DIST}, "a launched rank destroys its default group at the end"),
-    "_pending_grad.py": ({DTENSOR}, "placeholder gradients of DTensor parameters"),
-    "_torch_timing.py": ({FSDP2}, "recognises torch's FSDP2 modules"),
+    "_grad_timing/pending_grad.py": ({DTENSOR}, "placeholder gradients of DTensor parameters"),
+    "_grad_timing/torch_timing.py": ({FSDP2}, "recognises torch's FSDP2 modules"),
     "data_parallel/_wrapper.py": ({DIST, MESH}, "ProcessGroup and DeviceMesh as group= types"),
     "data_parallel/_join.py": ({DIST, JOIN}, "torch's Join protocol; ProcessGroup type"),
     "data_parallel/_ddp_args.py": ({DIST, MESH}, "DDP's process_group / device_mesh types"),

@@ -1,6 +1,6 @@
 """Keys on disk are trusted only when the current user alone controls them.
 
-Specification (`cadence._owned`, see [Note: trusting a key on disk]):
+Specification (`cadence._util.owned`, see [Note: trusting a key on disk]):
 - a missing key is created: 32 random bytes, a regular file of mode 0600;
 - two folders get two keys, and the same folder gives the same key back;
 - a key that is a symlink, is not a regular file, is readable or writable by group or
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence._owned import check_private_dir, read_or_create_key
+from cadence._util.owned import check_private_dir, read_or_create_key
 from cadence.errors import UntrustedPathError
 
 pytestmark = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cadence._lazy import lazy_getattr
+from cadence._util.lazy import lazy_getattr
 from cadence.errors import CadenceError
 
 # Eager, and torch-free: the submodule ``cadence.launch`` would otherwise shadow the
@@ -31,7 +31,7 @@ _LAZY = {
     "DataParallel": "cadence.data_parallel:DataParallel",
     "EventLog": "cadence.comm:EventLog",
     "FullyShardedModule": "cadence.fsdp:FullyShardedModule",
-    "GradientTiming": "cadence._timing:GradientTiming",
+    "GradientTiming": "cadence._grad_timing.timing:GradientTiming",
     "MixedPrecisionPolicy": "cadence.fsdp:MixedPrecisionPolicy",
     "ParallelGroups": "cadence.topology:ParallelGroups",
     "PipelineStage": "cadence.pipeline:PipelineStage",
@@ -40,8 +40,8 @@ _LAZY = {
     "Topology": "cadence.topology:Topology",
     "build_pipeline": "cadence.pipeline:build_pipeline",
     "fully_shard": "cadence.fsdp:fully_shard",
-    "gradient_timing": "cadence._torch_timing:gradient_timing",
-    "init": "cadence._dist_init:init",
+    "gradient_timing": "cadence._grad_timing.torch_timing:gradient_timing",
+    "init": "cadence._groups.dist_init:init",
     "pickling": "cadence.pickling",
     "pipeline": "cadence.pipeline",
     "pipelining": "cadence.pipelining",
@@ -53,9 +53,9 @@ __getattr__ = lazy_getattr("cadence", _LAZY, globals())
 
 if TYPE_CHECKING:  # static tools see the eager imports
     from cadence import pickling, pipeline, testing
-    from cadence._dist_init import init
-    from cadence._timing import GradientTiming
-    from cadence._torch_timing import gradient_timing
+    from cadence._grad_timing.timing import GradientTiming
+    from cadence._grad_timing.torch_timing import gradient_timing
+    from cadence._groups.dist_init import init
     from cadence.comm import (
         CollectiveAlgorithms,
         Comm,

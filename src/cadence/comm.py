@@ -10,7 +10,7 @@ Why one place for the collectives:
   supported torch has: ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13
   deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in their favour).
 - Averaging has one implementation; see [Note: AVG is SUM plus a divide].
-- Every collective can be recorded in an opt-in `EventLog` (``_event_log.py``: kind,
+- Every collective can be recorded in an opt-in `EventLog` (``_groups/event_log.py``: kind,
   bytes, group, issue time, wait start, wait end). Tests and benchmarks read it to
   prove counts, order and overlap, independently of the backend.
 - Setup and teardown cost the same per rank at any world: see [Note: agreeing by digest].
@@ -50,8 +50,8 @@ from typing import Any, Literal, NamedTuple, cast
 import torch
 import torch.distributed as dist
 
-from cadence._event_log import CommEvent, EventLog, phase
-from cadence._exchange import (
+from cadence._groups.event_log import CommEvent, EventLog, phase
+from cadence._groups.exchange import (
     CollectiveAlgorithms,
     ScratchPool,
     exchange_all_gather,
@@ -241,7 +241,7 @@ class Comm:
         self.name = name or f"group{self.world_size}"
         # See [Note: AVG is SUM plus a divide].
         self.native_avg = self.backend == "nccl"
-        # See [Note: why cadence replaces some of gloo's collectives] in _exchange.py.
+        # See [Note: why cadence replaces some of gloo's collectives] in _groups/exchange.py.
         self.algorithms = algorithms if algorithms is not None else CollectiveAlgorithms()
         self._scratch = ScratchPool()  # all-reduce exchanges only: same buckets every step
 

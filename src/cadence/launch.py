@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cadence import _job_secret
+from cadence._util import job_secret as _job_secret
 from cadence.errors import CadenceRuntimeError, CadenceValueError
 
 __all__ = ["LaunchError", "RankFailure", "launch"]

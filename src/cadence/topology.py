@@ -10,7 +10,7 @@ Pipeline is outermost and shard innermost (as torchtitan), so shard groups are
 contiguous ranks: on a node-major launch they stay inside a node, where the
 all-gather / reduce-scatter traffic is heaviest.
 
-What a wrapper's ``group=`` means is resolved from these groups in ``_dp_layout.py``.
+What a wrapper's ``group=`` means is resolved from these groups in ``_groups/dp_layout.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank bodies for collectives by point-to-point exchange (cadence/_exchange.py)."""
+"""Rank bodies for collectives by point-to-point exchange (cadence/_groups/exchange.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def collectives(n: int = 1000, peers_in_flight: int | None = None) -> dict[str, 
     """Exchange against native and against the rank-order sum computed locally
     (with ``peers_in_flight``, exchanges post that many rounds at a time)."""
     if peers_in_flight is not None:
-        from cadence import _exchange
+        from cadence._groups import exchange as _exchange
 
         _exchange.PEERS_IN_FLIGHT = peers_in_flight
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -2,7 +2,7 @@
 
 One body, run for each wrapper (`run_subtests`), checks every verb of
 `cadence.GradientTiming` by event order and collective counts; see
-[Note: one set of timing verbs] in ``cadence/_timing.py``.
+[Note: one set of timing verbs] in ``cadence/_grad_timing/timing.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import cadence
-from cadence._timing import ShardedTiming
+from cadence._grad_timing.timing import ShardedTiming
 from cadence.testing import max_abs_diff, run_subtests
 
 __all__ = ["WRAPPERS", "timing_verbs"]

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import cadence
-from cadence._dp_layout import DataParallelLayout
+from cadence._groups.dp_layout import DataParallelLayout
 from cadence.testing import max_abs_diff, run_subtests
 
 __all__ = ["FORMS", "WRAPPERS", "group_meaning", "topology_groups"]

@@ -5,7 +5,7 @@ The body makes the same calls on every torch and records what each raised
 a torch error that escaped), what it returned, and the collectives it issued;
 `test_torch_timing.py` holds the expectations, chosen by whether torch has
 caller-side finalization ([Note: driving torch's wrappers with the timing verbs] in
-``cadence/_torch_timing.py``). Collectives are counted to show *when* reductions
+``cadence/_grad_timing/torch_timing.py``). Collectives are counted to show *when* reductions
 run: reduce-scatters for FSDP2, calls of a DDP comm hook (one per bucket) for DDP.
 """
 

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from cadence import CollectiveAlgorithms, _exchange
-from cadence._exchange import ExchangeWork, exchange_all_gather, exchange_all_reduce
+from cadence import CollectiveAlgorithms
+from cadence._groups import exchange as _exchange
+from cadence._groups.exchange import ExchangeWork, exchange_all_gather, exchange_all_reduce
 from cadence.bench.collectives import crossovers
 from cadence.errors import CadenceValueError
 from cadence.testing import run_distributed
@@ -106,7 +107,7 @@ def test_a_failed_post_is_raised_by_wait() -> None:
 def test_a_forked_child_starts_its_own_threads() -> None:
     import multiprocessing as mp
 
-    from cadence import _exchange
+    from cadence._groups import exchange as _exchange
 
     key = object()
     parent = _exchange._group_threads(key)

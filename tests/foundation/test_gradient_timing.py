@@ -2,7 +2,7 @@
 
 One world-3 launch runs the same body for DataParallel and for fully_shard; each
 test below asserts one verb for both. See [Note: one set of timing verbs] and
-[Note: finalize inside backward] in ``cadence/_timing.py``.
+[Note: finalize inside backward] in ``cadence/_grad_timing/timing.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def results(world3: list[dict[str, Any]]) -> Results:
 
 
 def test_gradient_timing_is_exported() -> None:
-    assert cadence.GradientTiming.__module__ == "cadence._timing"
+    assert cadence.GradientTiming.__module__ == "cadence._grad_timing.timing"
     assert "GradientTiming" in cadence.__all__
 
 

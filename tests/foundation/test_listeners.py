@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from cadence._dist_init import _route_address
+from cadence._groups.dist_init import _route_address
 from cadence.errors import CadenceRuntimeError
 from cadence.launch import launch
 

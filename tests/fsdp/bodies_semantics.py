@@ -188,7 +188,7 @@ def _bounded(rank: int, world: int, bound: int) -> tuple[int, int]:
 
 def _written(p: Any) -> bool:
     """``p.grad`` holds a gradient (not None, not the pending-reduction placeholder)."""
-    from cadence._pending_grad import PendingGrad
+    from cadence._grad_timing.pending_grad import PendingGrad
 
     g = p.grad
     return g is not None and not isinstance(getattr(g, "_local_tensor", g), PendingGrad)
@@ -210,7 +210,7 @@ def _checks_reduce(rank: int, world: int, out: dict[str, Any]) -> None:
     rs = log.collectives("reduce_scatter")
     out["rs_issued_in_backward"] = len(rs)
     out["rs_unwaited_after_backward"] = sum(1 for e in rs if e.wait_end_t is None)
-    # Until written, .grad is a placeholder that raises on use (see cadence/_pending_grad.py).
+    # Until written, .grad is a placeholder that raises on use (see cadence/_grad_timing/pending_grad.py).
     out["grads_before_finalize"] = sum(_written(p) for p in m.parameters())
     handle = m.finalize_backward(async_op=True)
     out["handle_type"] = type(handle).__name__

@@ -1,7 +1,7 @@
 """Scenarios: the checks and policies torch's own FSDP2 tests pin, with parity against FSDP2.
 
 torch's ``test/distributed/_composable/fsdp/`` tests (``test_fully_shard_init.py``,
-``_state.py``, ``_training.py``, ``_autograd.py``) and the 2.15 ``MixedPrecisionPolicy``
+``_state.py``, ``_training.py``, ``_grad_timing/autograd.py``) and the 2.15 ``MixedPrecisionPolicy``
 source check: the reduce dtype when ``reduce_dtype`` is unset (changed in torch 2.15),
 the list form ``fully_shard([a, b])``, post-accumulate-grad hooks on the sharded
 parameters (optimizer in backward), containers without ``forward``, 0-dim parameters,

@@ -1,5 +1,5 @@
 """The checks and policies torch's own FSDP2 tests pin (``test_fully_shard_init.py``,
-``_state.py``, ``_training.py``, ``_autograd.py``, and the 2.15 mixed-precision default),
+``_state.py``, ``_training.py``, ``_grad_timing/autograd.py``, and the 2.15 mixed-precision default),
 each with parity against torch's ``fully_shard``: same parameters and wire dtypes, or an
 error of the same type.
 

@@ -148,14 +148,14 @@ def test_an_untrusted_cache_on_one_rank_is_raised_on_every_rank(
     ],
 )
 def test_a_malformed_secret_is_refused_where_it_is_read(value: str, message: str) -> None:
-    from cadence import _job_secret
+    from cadence._util import job_secret as _job_secret
 
     with pytest.raises(ValueError, match=f"{message}.*secrets.token_hex\\(32\\)"):
         _job_secret.from_env({_job_secret.ENV_VAR: value})
 
 
 def test_a_secret_is_read_from_the_environment_and_new_ones_differ() -> None:
-    from cadence import _job_secret
+    from cadence._util import job_secret as _job_secret
 
     fresh = _job_secret.new()
     assert HEX64.fullmatch(fresh) and fresh != _job_secret.new()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cadence._dist_init import init
+from cadence._groups.dist_init import init
 from cadence.models.config import GPTConfig
 from cadence.train.build import build_state, topology_for
 from cadence.train.config import TrainConfig

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from cadence._dist_init import init
+from cadence._groups.dist_init import init
 from cadence.models.config import GPTConfig
 from cadence.train.build import build_state, topology_for
 from cadence.train.config import TrainConfig

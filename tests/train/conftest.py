@@ -24,7 +24,7 @@ KEY_ENV = "CADENCE_CHECKPOINT_KEY_FILE"
 def checkpoint_key_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The key file every test's checkpoints are signed with (created on first use)."""
     folder = tmp_path_factory.mktemp("checkpoint-key")
-    # The key's folder must be writable by this user only (see cadence._owned).
+    # The key's folder must be writable by this user only (see cadence._util.owned).
     os.chmod(folder, 0o700)
     path = folder / "checkpoint.key"
     with pytest.MonkeyPatch.context() as patch:

@@ -5,11 +5,11 @@ One collective per step, issued and waited, through `cadence.Comm` with
 ranks, interleaved (see [Note: interleaving] in ``_loop.py``). Reduce-scatter and
 all-gather are what fully_shard issues (``"auto"`` picks exchange for them); the
 all-reduce row shows why DataParallel keeps gloo's own by default (see
-[Note: why cadence replaces some of gloo's collectives] in ``cadence/_exchange.py``).
+[Note: why cadence replaces some of gloo's collectives] in ``cadence/_groups/exchange.py``).
 Sizes are the full (unsharded) tensor. There is no target: this is the evidence for
 a default, not a goal. `crossovers` reads a record into the table ``"auto"`` chooses
 by (``AUTO_CROSSOVER_BYTES``, see [Note: auto picks by measured crossovers] in
-``cadence/_exchange.py``).
+``cadence/_groups/exchange.py``).
 """
 
 from __future__ import annotations

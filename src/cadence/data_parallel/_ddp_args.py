@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cadence._dp_layout import DataParallelGroup
+from cadence._groups.dp_layout import DataParallelGroup
 from cadence.data_parallel._errors import NothingToReduceError
 from cadence.errors import CadenceTypeError, CadenceValueError
 

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cadence import _autograd
-from cadence._overlap_optimizer import OverlapHandle, PartialStepper
+from cadence._grad_timing import autograd as _autograd
+from cadence._grad_timing.overlap_optimizer import OverlapHandle, PartialStepper
 from cadence.data_parallel._errors import DataParallelError
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class OverlapOptimizer:
         optimizer state are bitwise those of the plain loop (SGD, Adam, AdamW; foreach,
         fused or not); LR schedulers and step hooks see one step per ``opt.step()``.
         See [Note: DataParallel's overlapped optimizer] (``data_parallel/_overlap.py``)
-        and [Note: stepping an optimizer in parts] (``cadence/_overlap_optimizer.py``).
+        and [Note: stepping an optimizer in parts] (``cadence/_grad_timing/overlap_optimizer.py``).
 
         Refused: other optimizer classes (the reason is in the message), a closure.
         Raised at ``opt.step()``: gradients of stepped buckets changed after their step

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from cadence import _autograd
-from cadence._pending_grad import GradGuard
+from cadence._grad_timing import autograd as _autograd
+from cadence._grad_timing.pending_grad import GradGuard
 from cadence.comm import Comm, CommWork, ReductionHandle, phase
 from cadence.data_parallel._buckets import Bucket, empty_sparse_like
 from cadence.data_parallel._errors import DataParallelError
@@ -163,9 +163,11 @@ class Reducer:
         self.last_token: ForwardToken | None = None
         self.manual = False
         self.require_sync = True
-        # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
+        # See [Note: gradients appear at finalization] in cadence/_grad_timing/pending_grad.py.
         self.grad_guard = GradGuard("DataParallel")
-        self.split_part: str | None = None  # see [Note: split backward parts] in _timing.py
+        self.split_part: str | None = (
+            None  # see [Note: split backward parts] in _grad_timing/timing.py
+        )
         # Called with a bucket's index once its reduced gradients are in .grad (see
         # [Note: stepping buckets as they complete]); None: one write-back at the end.
         self.on_bucket_reduced: Callable[[int], None] | None = None

@@ -44,9 +44,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from cadence._modules.conversions import conversion_target
 from cadence.data_parallel._errors import DataParallelError
 from cadence.errors import CadenceValueError
-from cadence.fsdp._materialize import conversion_target
 
 __all__ = ["Replica", "wrapped_parameters"]
 

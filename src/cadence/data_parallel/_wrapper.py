@@ -18,10 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from cadence import _autograd
-from cadence._dp_layout import DataParallelGroup, DataParallelLayout
-from cadence._exchange import check_algorithms
-from cadence._timing import check_split_part, refuse_inside_backward
+from cadence._grad_timing import autograd as _autograd
+from cadence._grad_timing.timing import check_split_part, refuse_inside_backward
+from cadence._groups.dp_layout import DataParallelGroup, DataParallelLayout
+from cadence._groups.exchange import check_algorithms
+from cadence._modules.conversions import conversion_name
 from cadence.comm import CollectiveAlgorithms, Comm, EventLog, ReductionHandle
 from cadence.data_parallel import comm_hooks
 from cadence.data_parallel._buckets import build_buckets
@@ -35,7 +36,6 @@ from cadence.data_parallel._replica import Replica, sparse_gradient_indices, wra
 from cadence.data_parallel._sink import Sink, used_params
 from cadence.data_parallel.comm_hooks import check_comm_hook
 from cadence.errors import CadenceValueError
-from cadence.fsdp._materialize import conversion_name
 
 __all__ = ["DataParallel"]
 
@@ -492,7 +492,7 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
 
         - After backward: launches any bucket not yet launched, then waits.
         - Inside backward (e.g. a tensor hook): allowed once every bucket has launched
-          (see [Note: finalize inside backward] in ``cadence/_timing.py``).
+          (see [Note: finalize inside backward] in ``cadence/_grad_timing/timing.py``).
         - After ``no_sync`` accumulation with sync re-enabled: reduces the accumulated
           grads once (deferred reduction), no extra forward/backward needed.
         - Nothing pending: issues no collective.
@@ -514,7 +514,7 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
         window is armed. ``"weight"``: the autograd calls inside are the parameter half
         of one backward; buckets launch as their gradients become ready, following
         the sync flag read at entry. See [Note: split backward parts] in
-        ``cadence/_timing.py``.
+        ``cadence/_grad_timing/timing.py``.
         """
         check_split_part(part, self._reducer.split_part, DataParallelError)
         refuse_inside_join(self, "split_backward()", "run whole backwards inside the join context.")

@@ -13,16 +13,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
-from cadence import _autograd
-from cadence._dp_layout import DataParallelGroup, DataParallelLayout
-from cadence._exchange import check_algorithms
-from cadence._timing import check_split_part, refuse_inside_backward
+from cadence._grad_timing import autograd as _autograd
+from cadence._grad_timing.timing import check_split_part, refuse_inside_backward
+from cadence._groups.dp_layout import DataParallelGroup, DataParallelLayout
+from cadence._groups.exchange import check_algorithms
+from cadence._modules.conversions import conversion_name, conversion_target
 from cadence.comm import CollectiveAlgorithms, EventLog, ReductionHandle
 from cadence.errors import CadenceValueError
 from cadence.fsdp._api import MixedPrecisionPolicy, check_fully_shard_args, to_mp_policy
 from cadence.fsdp._cross_load import adopt_state_dict
 from cadence.fsdp._errors import FullyShardError
-from cadence.fsdp._materialize import check_param_devices, conversion_name, conversion_target
+from cadence.fsdp._materialize import check_param_devices
 from cadence.fsdp._module_checks import check_contiguous, check_module, refuse_deepcopy
 from cadence.fsdp._overlap import OverlapOptimizer
 from cadence.fsdp._param import ParamInfo, collect_params, picklable_shards_hook
@@ -223,7 +224,7 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
         with ``async_op=True`` returns a `ReductionHandle` (already completed when
         nothing was pending) whose ``wait()`` writes the sharded ``.grad``. Inside
         backward: once every unit has launched its reduction (see
-        [Note: finalize inside backward] in ``cadence/_timing.py``).
+        [Note: finalize inside backward] in ``cadence/_grad_timing/timing.py``).
         """
         return self._runtime.finalize_backward(async_op=async_op)
 
@@ -236,7 +237,7 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
         autograd calls inside are the parameter half of one backward; each unit
         reshards and reduce-scatters (or accumulates) when all its parameters'
         gradients are ready, as in a full backward. See [Note: split backward parts]
-        in ``cadence/_timing.py``.
+        in ``cadence/_grad_timing/timing.py``.
         """
         runtime = self._runtime
         check_split_part(part, runtime.split_part, FullyShardError)
@@ -287,7 +288,7 @@ class FullyShardedModule(nn.Module, OverlapOptimizer):
         """How every unit under this root runs its all-gathers and reduce-scatters on gloo.
 
         The default exchanges point to point where gloo's own collective is slow (see
-        [Note: why cadence replaces some of gloo's collectives] in ``cadence/_exchange.py``);
+        [Note: why cadence replaces some of gloo's collectives] in ``cadence/_groups/exchange.py``);
         ``CollectiveAlgorithms.native()`` calls gloo's collectives as FSDP2 does. NCCL
         always runs its own. Call it on every rank, between steps.
         """

@@ -48,7 +48,6 @@ group cannot use, mixed dtypes, meta and real parameters in one unit) raises
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,52 +63,10 @@ __all__ = [
     "Reseat",
     "check_meta_consistent",
     "check_param_devices",
-    "conversion_name",
-    "conversion_target",
     "plan_reseat",
     "replaced",
     "seat",
 ]
-
-# nn.Module's methods that convert every tensor through ``_apply``.
-_CONVERSIONS = frozenset(
-    {"to", "to_empty", "cuda", "cpu", "xpu", "ipu", "mtia", "float", "double", "half"}
-    | {"bfloat16", "type", "share_memory"}
-)
-
-
-def conversion_name() -> str:
-    """The nn.Module method whose ``_apply`` is running (for messages), or ``_apply``."""
-    module_file = nn.Module._apply.__code__.co_filename
-    frame = sys._getframe(1)
-    for _ in range(32):
-        if frame is None:
-            break
-        code = frame.f_code
-        if code.co_filename == module_file and code.co_name in _CONVERSIONS:
-            return code.co_name
-        frame = frame.f_back  # type: ignore[assignment]  # None at the outermost frame; the loop checks
-    return "_apply"
-
-
-def conversion_target(
-    fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> tuple[torch.dtype, torch.device] | None:
-    """Where ``fn`` would put a tensor of ``dtype`` on ``device``; None if unknown.
-
-    Found on a fake tensor, so nothing is allocated and no device is initialised:
-    a move the shard group cannot use is refused before any parameter is touched.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            out = fn(torch.empty(0, dtype=dtype, device=device))
-    except Exception:
-        return None  # fn does not run on a fake tensor: the checks after it still apply
-    if not isinstance(out, torch.Tensor):
-        return None
-    return out.dtype, out.device
 
 
 def check_meta_consistent(names_on_meta: list[str], names_real: list[str], owner: str) -> None:

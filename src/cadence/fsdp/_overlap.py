@@ -1,7 +1,7 @@
 """``overlap_optimizer`` on a fully_shard module: each unit's shards stepped as its reduction completes.
 
 [Note: fully_shard's overlapped optimizer]
-The parts (see [Note: stepping an optimizer in parts] in ``cadence/_overlap_optimizer.py``)
+The parts (see [Note: stepping an optimizer in parts] in ``cadence/_grad_timing/overlap_optimizer.py``)
 are the units: part k is the sharded DTensor parameters of the root runtime's k-th
 unit, the objects ``model.parameters()`` yields between steps and the optimizer holds.
 Each unit's reduce-scatter (and HSDP all-reduce) is issued during backward and runs on
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cadence import _autograd
-from cadence._overlap_optimizer import OverlapHandle, PartialStepper
+from cadence._grad_timing import autograd as _autograd
+from cadence._grad_timing.overlap_optimizer import OverlapHandle, PartialStepper
 from cadence.fsdp._errors import FullyShardError
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ class OverlapOptimizer:
         of the plain loop (SGD, Adam, AdamW); LR schedulers and step hooks see one step
         per ``opt.step()``. Call it on the root, between steps. See [Note: fully_shard's
         overlapped optimizer] (``fsdp/_overlap.py``) and [Note: stepping an optimizer in
-        parts] (``cadence/_overlap_optimizer.py``).
+        parts] (``cadence/_grad_timing/overlap_optimizer.py``).
 
         Refused: other optimizer classes (the reason is in the message), a closure, a
         forward with grad after units were stepped and before ``opt.step()``. Raised at

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from cadence import _autograd
-from cadence._pending_grad import GradGuard
+from cadence._grad_timing import autograd as _autograd
+from cadence._grad_timing.pending_grad import GradGuard
 from cadence.comm import Comm, CommWork, EventLog, ReductionHandle, phase
 from cadence.fsdp._errors import FullyShardError
 from cadence.fsdp._unit import PendingReduction, ShardedState, Unit
@@ -88,14 +88,16 @@ class RootRuntime:
         # backward: [Note: a unit run outside the root's forward].
         self.standalone: set[Unit] = set()
         self.backward_active = False
-        self.split_part: str | None = None  # see [Note: split backward parts] in _timing.py
+        self.split_part: str | None = (
+            None  # see [Note: split backward parts] in _grad_timing/timing.py
+        )
         # A fully_shard module's _apply is running: units it reaches re-seat only after it.
         self.applying = False
         # -- reductions: see [Note: one wait-and-cleanup path] --
         self.inflight: deque[PendingReduction] = deque()  # RS issued, not waited
         self.retired: list[PendingReduction] = []  # RS waited (AR maybe issued), grads not written
         self.handle: ReductionHandle | None = None
-        # See [Note: gradients appear at finalization] in cadence/_pending_grad.py.
+        # See [Note: gradients appear at finalization] in cadence/_grad_timing/pending_grad.py.
         self.grad_guard = GradGuard("fully_shard")
         self.cleanup_fault: Callable[[Unit], None] | None = None  # test hook
         # overlap_optimizer's steppers; with one that steps early, each unit is stepped
@@ -329,7 +331,7 @@ class RootRuntime:
         # [Note: who keeps a reduce-scatter input alive]
         # The work does, not the runtime: gloo's own reduce-scatter keeps it (the
         # CommWork's tensors) until waited, because gloo reads it on its own threads
-        # until then; an exchange (cadence/_exchange.py) keeps it only until its
+        # until then; an exchange (cadence/_groups/exchange.py) keeps it only until its
         # messages are sent and its sum is done, on the group's finisher thread. So
         # with exchanges the (W, S) input is freed a few milliseconds after issue,
         # while the reduction still counts as in flight here: the overlap of an async
@@ -435,7 +437,7 @@ class RootRuntime:
         else:
             self.guard_pending_grads()
 
-    # -- split backward (see [Note: split backward parts] in cadence/_timing.py) --
+    # -- split backward (see [Note: split backward parts] in cadence/_grad_timing/timing.py) --
 
     def begin_split_part(self, part: str) -> None:
         self.check_no_pending_handle(f"split_backward({part!r})")
@@ -548,7 +550,7 @@ class RootRuntime:
         ]
 
     def check_all_launched_in_backward(self) -> None:
-        """See [Note: finalize inside backward] in ``cadence/_timing.py``."""
+        """See [Note: finalize inside backward] in ``cadence/_grad_timing/timing.py``."""
         expected = [u for u in self.forward_order if u.num_grad_params > 0]
         launched = sum(u.post_backward_done for u in expected)
         if launched < len(expected):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from cadence._dp_layout import DataParallelLayout
+from cadence._groups.dp_layout import DataParallelLayout
 from cadence.comm import CollectiveAlgorithms, Comm, CommWork, EventLog, phase
 from cadence.errors import CadenceValueError
 from cadence.fsdp._api import MixedPrecisionPolicy

@@ -12,8 +12,8 @@ reaches: frozen state, code digests, watched values), `_key` (the cache key),
 `_job` (one call's compile, load and cache steps), `_kernels` (the C++ kernel bundle),
 `_function` (the returned callable and its guard errors), `_torch_aot` (every use of
 torch internals, behind a feature test), `_errors`. The job secret that signs what
-ranks send each other is `cadence._job_secret`; the ownership checks of the cache
-directory are `cadence._owned`.
+ranks send each other is `cadence._util.job_secret`; the ownership checks of the cache
+directory are `cadence._util.owned`.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cadence import _job_secret
+from cadence._util import job_secret as _job_secret
 from cadence.comm import EventLog
 from cadence.errors import CadenceValueError, UntrustedPathError
 from cadence.fsdp._trace import refusal, traced_forward

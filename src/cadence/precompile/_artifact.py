@@ -29,7 +29,7 @@ over that file: someone who can write the directory need not read the key, they 
 rename it away and put their own (or a symlink to theirs) in its place, then sign an
 artifact with it, and loading an artifact runs its code (pickle, and on CPU the C++
 kernels it compiles). So `ArtifactCache` trusts the directory and the key only when
-the current user alone controls them (`cadence._owned`, [Note: trusting a key on
+the current user alone controls them (`cadence._util.owned`, [Note: trusting a key on
 disk]): the directory is owned by the user and writable by nobody else, every folder
 above it is the user's or root's and, if others may write it, sticky; the key is a
 regular file, not a symlink, owned by the user, mode 0600, checked on the open
@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cadence._owned import make_private_dir, read_or_create_key
+from cadence._util.owned import make_private_dir, read_or_create_key
 from cadence.precompile._errors import ArtifactRefused
 from cadence.precompile._key import FORMAT_VERSION, Key
 
@@ -129,7 +129,7 @@ def decode(
 class ArtifactCache:
     """Artifacts in one directory, signed with that directory's key.
 
-    Raises `cadence._owned.UntrustedPathError` when someone other than the current user
+    Raises `cadence._util.owned.UntrustedPathError` when someone other than the current user
     could have written the directory or the key; see [Note: precompile cache key file].
     """
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cadence._job_secret import SECRET_BYTES
+from cadence._util.job_secret import SECRET_BYTES
 from cadence.comm import Comm, EventLog
 from cadence.precompile._errors import PrecompileError
 

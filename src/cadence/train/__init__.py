@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cadence._lazy import lazy_getattr
+from cadence._util.lazy import lazy_getattr
 
 _LAZY = {
     "CheckpointError": "cadence.train.checkpoint:CheckpointError",

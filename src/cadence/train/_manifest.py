@@ -11,7 +11,7 @@ again on the descriptor it is then read through.
 The run's key is HMAC-SHA256(user key, lineage id): the user key is 32 random bytes
 in the file ``$CADENCE_CHECKPOINT_KEY_FILE``, else ``~/.config/cadence/checkpoint.key``,
 created on first use and trusted only when this user alone controls it
-(`cadence._owned.read_or_create_key`). Deriving one key per lineage keeps a
+(`cadence._util.owned.read_or_create_key`). Deriving one key per lineage keeps a
 signature from being carried from one run's manifest to another's. Only rank 0
 reads the key: it writes every manifest and checks the one it resumes from. A
 checkpoint written by another user, or copied from another machine, was signed with
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from cadence._owned import make_private_dir, read_or_create_key
+from cadence._util.owned import make_private_dir, read_or_create_key
 from cadence.train._errors import CheckpointError, ResumeRefusedError
 
 __all__ = [
@@ -72,7 +72,7 @@ def key_path() -> Path:
 
 def run_key(lineage: str) -> bytes:
     """The key that signs ``lineage``'s manifests (see [Note: the checkpoint key]).
-    Raises `cadence._owned.UntrustedPathError` for a key file others could change."""
+    Raises `cadence._util.owned.UntrustedPathError` for a key file others could change."""
     path = key_path()
     make_private_dir(path.parent, "the folder of the checkpoint key")
     user_key = read_or_create_key(path, "the checkpoint key")

@@ -164,7 +164,7 @@ def build_state(cfg: TrainConfig, pg: ParallelGroups) -> TrainState:
     """Build the model (or this rank's stages), wrappers, pipeline and optimizer."""
     layout = cfg.layout(pg.world_size)
     # Bounded: a run steps for as long as it runs (see [Note: a long run's log stays
-    # bounded] in cadence/_event_log.py); the timeline needs only the last few steps.
+    # bounded] in cadence/_groups/event_log.py); the timeline needs only the last few steps.
     log = EventLog(capacity=EVENT_LOG_CAPACITY)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)  # same init on every rank

@@ -18,7 +18,7 @@ from typing import cast
 
 import torch
 
-from cadence._timing import GradientTiming
+from cadence._grad_timing.timing import GradientTiming
 from cadence.comm import Comm, EventLog
 from cadence.errors import CadenceError
 from cadence.train._errors import CollectiveTimeoutError

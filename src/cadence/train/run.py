@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cadence._dist_init import init
+from cadence._groups.dist_init import init
 from cadence.comm import Comm
 from cadence.launch import launch
 from cadence.train.build import build_state, topology_for

@@ -153,7 +153,7 @@ def test_split_backward_fires_each_parameter_hook_once_in_w(make):
 
 
 def test_split_backward_part_is_validated():
-    from cadence._timing import check_split_part
+    from cadence._grad_timing.timing import check_split_part
 
     with pytest.raises(ValueError, match="must be one of"):
         check_split_part("both", None, ValueError)

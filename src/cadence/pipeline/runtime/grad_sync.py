@@ -2,7 +2,7 @@
 
 [Note: the runtime drives wrappers through their public verbs only]
 The runtime never looks inside a wrapper and never checks which one it holds. It
-calls only the public timing verbs of `cadence._timing.GradientTiming`, which
+calls only the public timing verbs of `cadence._grad_timing.timing.GradientTiming`, which
 `cadence.DataParallel` and `cadence.fully_shard` both implement (and
 `cadence.gradient_timing` adapts torch's DDP and FSDP2 modules to), so one runtime
 drives every wrapper and a wrapper's internals can change without touching the
@@ -22,11 +22,11 @@ changes.) The verbs, in the order a step uses them:
   the end of the step when the schedule has no wait action);
 - ``unshard(async_op=True)`` / ``reshard()`` of every unit of the stage (nested
   ones included) at UNSHARD / RESHARD, on the units that are a
-  `cadence._timing.ShardedTiming` (fully_shard's are; DataParallel holds no
+  `cadence._grad_timing.timing.ShardedTiming` (fully_shard's are; DataParallel holds no
   shards); a stage with these actions has its ``set_reshard_after_forward/backward``
   turned off at construction, so the schedule alone decides when it is gathered.
 
-Whether a stage can run a split backward at all is `cadence._timing.splits_backward`
+Whether a stage can run a split backward at all is `cadence._grad_timing.timing.splits_backward`
 (False only for the adapters of torch's own wrappers).
 
 Scaling is not done here: the loss is scaled once before backward (see
@@ -36,7 +36,7 @@ Scaling is not done here: the loss is scaled once before backward (see
 Zero-bubble schedules (ZB-H1, ZBV, DualPipeV) run a microbatch's backward as I
 (input gradients) and, later, W (weight gradients). The runtime runs each inside
 the wrapper's ``split_backward("input")`` / ``split_backward("weight")`` (see
-[Note: split backward parts] in ``cadence/_timing.py``), and W accumulates
+[Note: split backward parts] in ``cadence/_grad_timing/timing.py``), and W accumulates
 through the parameters' own AccumulateGrad nodes (``split_backward.py``), so W
 launches the same per-parameter reductions a full backward would: DataParallel
 buckets, fully_shard reduce-scatters per unit. The sync flag is True only for the
@@ -49,8 +49,8 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from cadence._timing import GradientTiming, ShardedTiming, splits_backward
-from cadence._torch_timing import gradient_timing
+from cadence._grad_timing.timing import GradientTiming, ShardedTiming, splits_backward
+from cadence._grad_timing.torch_timing import gradient_timing
 from cadence.comm import ReductionHandle
 from cadence.pipeline.runtime.errors import PipelineStateError
 from cadence.pipeline.schedule.ir import Action, ActionKind

@@ -116,7 +116,7 @@ class CollectiveAlgorithms:
     world. ``"native"`` always calls gloo's collective; ``"exchange"`` always uses
     pairwise exchanges, at most `PEERS_IN_FLIGHT` peers at a time. See
     [Note: why cadence replaces some of gloo's collectives] and
-    [Note: auto picks by measured crossovers] in ``cadence/_exchange.py``.
+    [Note: auto picks by measured crossovers] in ``cadence/_groups/exchange.py``.
     """
 
     reduce_scatter: Algorithm = "auto"

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from cadence import _autograd
+from cadence._grad_timing import autograd as _autograd
 from cadence.comm import ReductionHandle
 
 __all__ = [

@@ -5,7 +5,7 @@ Code written against `cadence.GradientTiming` (the pipeline runtime, a training
 loop) can hold a torch ``DistributedDataParallel`` or a torch ``fully_shard``
 module instead of a cadence wrapper: ``gradient_timing(module)`` returns an
 adapter that speaks the same verbs, with the meanings of [Note: one set of timing
-verbs] in ``cadence/_timing.py``. What torch provides is detected by capability,
+verbs] in ``cadence/_grad_timing/timing.py``. What torch provides is detected by capability,
 not by version: DDP's ``require_manual_backward_finalization`` and
 ``finalize_backward()``, FSDP2's ``set_manual_backward_finalization`` and
 ``finalize_backward(async_op=...)`` (both in torch 2.15, neither in 2.13). The
@@ -80,8 +80,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from cadence import _autograd
-from cadence._timing import GradientTiming, refuse_inside_backward
+from cadence._grad_timing import autograd as _autograd
+from cadence._grad_timing.timing import GradientTiming, refuse_inside_backward
 from cadence.comm import CommWork, ReductionHandle
 from cadence.errors import CadenceRuntimeError, CadenceTypeError
 

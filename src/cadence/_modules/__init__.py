@@ -1,0 +1,3 @@
+"""What the wrappers share about the user's ``nn.Module`` (private): ``conversions``
+(the nn.Module conversions a wrapper intercepts). Nothing is imported here.
+"""
