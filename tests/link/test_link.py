@@ -11,6 +11,8 @@ Specification:
   ``cadence link``, a process still running inside; one whose creator was killed is
   removed by the next link made.
 - A missing tool or kernel feature is refused in one line naming it.
+- A live link is reshaped in place and cut and restored (`EmulatedLink.reshape`,
+  `EmulatedLink.set_connected`), for faults in the middle of a run.
 
 No torch: the link is plain Linux plumbing.
 """
@@ -41,12 +43,20 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
 
 
+def _interruptible() -> None:
+    # A suite started in the background (`./dev test &`, CI under nohup) inherits an
+    # ignored SIGINT, and Python then leaves Ctrl-C ignored: the child would never see
+    # the test's SIGINT. A terminal's Ctrl-C reaches a foreground command, as here.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cadence(*args: str, **kw: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "cadence", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
         **kw,  # type: ignore[arg-type]
     )
 
@@ -112,6 +122,41 @@ def test_made_shaped_measured_removed() -> None:
         assert "asked 200 Mbit/s; measured" in m.line(spec)
         name = link.name
     assert name not in _namespaces()
+
+
+def _tbf_rates(link: EmulatedLink) -> list[int]:
+    out = subprocess.run(
+        link.command(["tc", "-j", "qdisc", "show", "dev", "lo"]),
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return [q["options"]["rate"] for q in json.loads(out) if q["kind"] == "tbf"]
+
+
+def _connects(link: EmulatedLink) -> bool:
+    probe = "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); " \
+        "c = socket.create_connection(s.getsockname(), timeout=2)"  # fmt: skip
+    return (
+        subprocess.run(link.command([sys.executable, "-c", probe]), capture_output=True).returncode
+        == 0
+    )
+
+
+@needs_link
+def test_a_live_link_is_reshaped_and_cut_and_restored() -> None:
+    """``reshape`` changes the rate in place (tc reads back the new one, never none),
+    ``set_connected(False)`` cuts the loopback (a connect fails), ``True`` restores it
+    with its shaping; an unshaped reshape is refused."""
+    with EmulatedLink(LinkSpec.parse("1gbit")) as link:
+        assert _tbf_rates(link) == [1_000_000_000 // 8]
+        link.reshape(LinkSpec.parse("10mbit"))
+        assert _tbf_rates(link) == [10_000_000 // 8] and link.spec.rate_bps == 10_000_000
+        assert _connects(link)
+        link.set_connected(False)
+        assert not _connects(link), "a cut link still connects"
+        link.set_connected(True)
+        assert _connects(link) and _tbf_rates(link) == [10_000_000 // 8]
+        with pytest.raises(LinkUnavailableError, match="never unshaped"):
+            link.reshape(LinkSpec.parse("unshaped"))
 
 
 @needs_link

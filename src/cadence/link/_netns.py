@@ -169,10 +169,11 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def _qdisc_commands(name: str, spec: LinkSpec) -> list[list[str]]:
-    """tc's commands for ``spec`` on the namespace's lo (tc-netem(8)'s delay + rate)."""
+def _qdisc_commands(name: str, spec: LinkSpec, *, verb: str = "add") -> list[list[str]]:
+    """tc's commands for ``spec`` on the namespace's lo (tc-netem(8)'s delay + rate);
+    ``verb="replace"`` changes the shaping of a live link in place."""
     assert spec.rate_bps is not None
-    tc = ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo"]
+    tc = ["ip", "netns", "exec", name, "tc", "qdisc", verb, "dev", "lo"]
     burst = max(_MIN_BURST, spec.rate_bps // 8 // 1000)  # a millisecond at the rate
     tbf = ["tbf", "rate", f"{spec.rate_bps}bit", "burst", str(burst), "limit", str(_QUEUE_BYTES)]
     if not spec.delay_ms:
@@ -305,6 +306,37 @@ class EmulatedLink:
         finally:
             if in_main:
                 signal.signal(signal.SIGTERM, previous)
+
+    # -- faults, while commands run inside ---------------------------------------
+
+    def reshape(self, spec: LinkSpec) -> None:
+        """Give the link ``spec``'s rate and delay now, while commands run inside it.
+
+        A wire that slows down mid-run (a congested switch, a degraded cable) or comes
+        back: ``tc qdisc replace``, so the queue is never unshaped in between, then
+        read back as on entry. An unshaped ``spec`` is refused: a link does not turn
+        into the host's loopback.
+        """
+        if not spec.shaped:
+            raise LinkUnavailableError(
+                f"reshape({spec.text()!r}): give the link a rate; an emulated link is never "
+                "unshaped (make a new one without shaping instead)"
+            )
+        self.command([])  # refuses a link that is not open
+        for argv in _qdisc_commands(self.name, spec, verb="replace"):
+            _run(argv, "reshaping the namespace's loopback")
+        self.spec = spec
+        self._check_shaped()
+
+    def set_connected(self, connected: bool) -> None:
+        """Cut the link (``False``: the namespace's loopback goes down, so no byte moves
+        between ranks and a connect fails) or restore it (``True``).
+
+        Open TCP connections survive a cut: their packets wait for retransmission, as
+        across a link that drops for a few seconds. The shaping stays.
+        """
+        state = "up" if connected else "down"
+        _run(self.command(["ip", "link", "set", "lo", state]), f"setting the loopback {state}")
 
     def self_check(self, seconds: float = 0.5) -> LinkMeasurement:
         """Send a known number of bytes through the link and time them.
