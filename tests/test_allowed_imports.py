@@ -69,6 +69,7 @@ ROOMS: dict[str, set[str]] = {
         "fsdp/",
         "pickling/",
         "pipeline/__init__.py",
+        "precompiling/",
     },
     "__main__.py": {"cli.py"},
     "cli.py": {"errors.py", "launch.py", "bench/", "link/", "pipeline/schedule/", "train/"},
@@ -101,8 +102,7 @@ ROOMS: dict[str, set[str]] = {
     # The wrappers never import each other: what they share is in the foundation.
     "data_parallel/": _FOUNDATION_FOR_WRAPPERS,
     "fsdp/": _FOUNDATION_FOR_WRAPPERS,
-    "precompile/": {
-        "__init__.py",  # cadence.__version__, a field of the cache key
+    "precompiling/": {
         "errors.py",
         "_util/",
         "comm.py",
@@ -124,7 +124,7 @@ ROOMS: dict[str, set[str]] = {
         "models/",
         "pipeline/schedule/",
         "pipeline/runtime/",
-        "precompile/",
+        "precompiling/",
     },
     "bench/": {
         "errors.py",
@@ -138,7 +138,7 @@ ROOMS: dict[str, set[str]] = {
         "pickling/",
         "pipeline/schedule/",
         "pipeline/runtime/",
-        "precompile/",
+        "precompiling/",
     },
 }
 
@@ -212,8 +212,8 @@ DIST_USERS: dict[str, tuple[set[str], str]] = {
     "pipeline/runtime/groups.py": ({DIST}, "creates one communicator per channel"),
     "pipeline/runtime/tied.py": ({DIST}, "creates the groups that hold a tied parameter"),
     "pipelining/": ({DIST, PIPELINING}, "torch's stages, tracer, chunk specs; a stage's group"),
-    "precompile/_api.py": ({DIST}, "works with or without a process group"),
-    "precompile/_share.py": ({DIST}, "the default group when there is one"),
+    "precompiling/_api.py": ({DIST}, "works with or without a process group"),
+    "precompiling/_share.py": ({DIST}, "the default group when there is one"),
     "train/": ({DCP}, "checkpoints through DCP"),
     "train/run.py": ({DIST}, "destroys the group it created"),
     "train/checkpoint.py": ({DIST}, "a gloo group for async saves; rank 0's verdict"),

@@ -36,7 +36,7 @@ EXEMPT_HOME: dict[tuple[str, str], str] = {
 }
 # (module path, class) -> why it is not a CadenceError.
 NOT_CADENCE_ERRORS: dict[tuple[str, str], str] = {
-    ("precompile/_errors.py", "ArtifactRefused"): (
+    ("precompiling/_errors.py", "ArtifactRefused"): (
         "a signal inside precompile that the loaders always catch; an `except "
         "CadenceError` inside cadence must not swallow it"
     ),

@@ -8,8 +8,8 @@ Specification:
   blocked, in tests/pipeline/schedule/test_torch_free.py.)
 - An unknown name is an `AttributeError` naming it: nothing is served under an
   old spelling.
-- The version is written once, as ``cadence.__version__``; ``pyproject.toml``
-  declares it dynamic and reads that attribute.
+- The version is written once, in ``cadence/_util/version.py``, served as
+  ``cadence.__version__``; ``pyproject.toml`` declares it dynamic and reads it there.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def test_the_version_is_written_once() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert "version" not in project["project"]
     assert "version" in project["project"]["dynamic"]
-    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "cadence.__version__"}
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "cadence._util.version.__version__"
+    }
     assert re.fullmatch(r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.dev\d+)?", cadence.__version__)
 
 

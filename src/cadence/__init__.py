@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cadence._util.lazy import lazy_getattr
+from cadence._util.version import __version__
 from cadence.errors import CadenceError
 
 # Eager, and torch-free: the submodule ``cadence.launch`` would otherwise shadow the
 # function of the same name once anything imports the module.
 from cadence.launch import LaunchError, launch
-
-__version__ = "0.1.0"
 
 # What a user writes. The plumbing those names hand back (a collective's work and
 # event, a data-parallel window's state, a rank's coordinates) is imported from its
@@ -45,14 +44,15 @@ _LAZY = {
     "pickling": "cadence.pickling",
     "pipeline": "cadence.pipeline",
     "pipelining": "cadence.pipelining",
-    "precompile": "cadence.precompile",
+    "precompile": "cadence.precompiling:precompile",
+    "precompiling": "cadence.precompiling",
     "testing": "cadence.testing",
 }
 
 __getattr__ = lazy_getattr("cadence", _LAZY, globals())
 
 if TYPE_CHECKING:  # static tools see the eager imports
-    from cadence import pickling, pipeline, testing
+    from cadence import pickling, pipeline, precompiling, testing
     from cadence._grad_timing.timing import GradientTiming
     from cadence._grad_timing.torch_timing import gradient_timing
     from cadence._groups.dist_init import init
@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from cadence.data_parallel import DataParallel
     from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
     from cadence.pipeline import PipelineStage, Schedule, build_pipeline
+    from cadence.precompiling import precompile
     from cadence.topology import ParallelGroups, Topology
 
 __all__ = [
@@ -92,6 +93,7 @@ __all__ = [
     "pipeline",
     "pipelining",
     "precompile",
+    "precompiling",
     "testing",
 ]
 

@@ -14,9 +14,9 @@ from cadence.comm import Comm
 from cadence.data_parallel import DataParallel
 from cadence.fsdp import fully_shard
 from cadence.pipeline.runtime import build_pipeline
-from cadence.precompile._api import _agree
-from cadence.precompile._key import Key
-from cadence.precompile._share import Channel
+from cadence.precompiling._api import _agree
+from cadence.precompiling._key import Key
+from cadence.precompiling._share import Channel
 from cadence.train.run import _to_rank0
 
 OBJECT_KINDS = ("all_gather_object", "broadcast_object")

@@ -80,7 +80,7 @@ def rank_body(
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from cadence.precompile import precompile
+    from cadence.precompiling import precompile
 
     rank = dist.get_rank()
     node = "shared" if shared_inductor_cache else f"rank{rank}"

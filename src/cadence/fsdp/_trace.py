@@ -72,7 +72,7 @@ def refusal(obj: Any, what: str, *, forward_only: bool = False) -> str | None:
         return (
             f"{what} ({type(obj).__name__}) is a fully_shard module: calling it runs "
             "fully_shard's hooks (all-gathers, reduce-scatters) inside the compiled "
-            "graph. Fix: cadence.precompile.precompile_module(module, example_args) "
+            "graph. Fix: cadence.precompiling.precompile_module(module, example_args) "
             "compiles its forward and keeps the hooks eager"
         )
     return None

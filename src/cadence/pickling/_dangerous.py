@@ -154,7 +154,7 @@ _DANGEROUS: dict[str, Danger] = {
     "cadence.launch": Danger("starts processes and unpickles what they return"),
     "cadence._worker": Danger("unpickles and runs the function it is sent"),
     "cadence.train.checkpoint": Danger(_LOAD_PICKLES),
-    "cadence.precompile": Danger("loads compiled artifacts with pickle and runs compilers"),
+    "cadence.precompiling": Danger("loads compiled artifacts with pickle and runs compilers"),
     "cadence.bench": Danger("runs benchmarks that exec generated code"),
     "cadence.cli": Danger("runs commands"),
     "cadence.__main__": Danger("runs commands"),

@@ -33,7 +33,7 @@ from torch import nn
 from cadence.models.gpt import Block
 from cadence.models.llama import LlamaBlock
 from cadence.pipeline.runtime.stage import TensorMeta
-from cadence.precompile import precompile_module
+from cadence.precompiling import precompile_module
 from cadence.train.build import TrainState
 from cadence.train.config import TrainConfig
 from cadence.train.metrics import attention_shape

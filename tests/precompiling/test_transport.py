@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
-from tests.precompile import _transport_bodies
-from tests.precompile._transport_bodies import launch_facts, transport_body
+from tests.precompiling import _transport_bodies
+from tests.precompiling._transport_bodies import launch_facts, transport_body
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -165,8 +165,10 @@ def test_a_secret_is_read_from_the_environment_and_new_ones_differ() -> None:
 
 
 def test_the_old_constant_is_gone_from_the_source() -> None:
-    source = Path(_transport_bodies.__file__).parents[2] / "src" / "cadence" / "precompile"
+    source = Path(_transport_bodies.__file__).parents[2] / "src" / "cadence" / "precompiling"
     paths = sorted(source.glob("*.py"))
     assert len(paths) > 3 and source / "__init__.py" in paths, f"no package at {source}"
     for path in paths:
-        assert b"cadence.precompile.transport" not in path.read_bytes(), path
+        text = path.read_bytes()  # the constant, under the package's old and new name
+        assert b"cadence.precompile.transport" not in text, path
+        assert b"cadence.precompiling.transport" not in text, path

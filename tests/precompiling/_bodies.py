@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import cadence
 from cadence.comm import EventLog
-from cadence.precompile import _share, precompile, precompile_module, stats
+from cadence.precompiling import _share, precompile, precompile_module, stats
 from cadence.testing import max_abs_diff, named_grads, named_params, shard
 
 BACKEND = "aot_eager"  # a real AOTAutograd compile without the C++ build: fast on CPU
@@ -173,7 +173,7 @@ def _heartbeats(log: EventLog) -> dict[str, Any]:
 def _failure() -> str:
     try:
         precompile(data_dependent, (torch.randn(3),), backend=BACKEND)
-    except cadence.precompile.PrecompileError as exc:
+    except cadence.precompiling.PrecompileError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
@@ -182,7 +182,7 @@ def _mismatch() -> str:
     rank = dist.get_rank()
     try:
         precompile(torch.sin, (torch.randn(2 + rank),), backend=BACKEND)
-    except cadence.precompile.RankMismatchError as exc:
+    except cadence.precompiling.RankMismatchError as exc:
         return str(exc)
     return "no error"
 
@@ -194,7 +194,7 @@ def _not_a_member() -> str:
         return "member"
     try:
         precompile(torch.sin, (torch.randn(2),), group=only_rank0, backend=BACKEND)
-    except cadence.precompile.PrecompileUsageError as exc:
+    except cadence.precompiling.PrecompileUsageError as exc:
         return str(exc)
     return "no error"
 

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from cadence.precompile import _torch_aot
+from cadence._util.version import __version__
+from cadence.precompiling import _torch_aot
 
 __all__ = ["FORMAT_VERSION", "Key", "build_key", "global_state", "input_spec"]
 
@@ -142,8 +143,6 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def _static_env() -> dict[str, Any]:
-    import cadence
-
     return {
         "format": FORMAT_VERSION,
         "torch": torch.__version__,
@@ -151,7 +150,7 @@ def _static_env() -> dict[str, Any]:
         "python": platform.python_version(),
         "python_impl": sys.implementation.name,
         "bytecode": importlib.util.MAGIC_NUMBER.hex(),
-        "cadence": cadence.__version__,
+        "cadence": __version__,
         "machine": platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_flags": _cpu_flags(),

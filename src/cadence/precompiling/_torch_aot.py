@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from cadence import pickling
-from cadence.precompile._capture import class_digest, resolves_by_name
+from cadence.precompiling._capture import class_digest, resolves_by_name
 
 __all__ = [
     "SERIALIZER",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cadence.comm import EventLog
-from cadence.precompile import (
+from cadence.precompiling import (
     CacheRefusedWarning,
     _api,
     _artifact,
@@ -28,8 +28,8 @@ from cadence.precompile import (
     precompile,
     stats,
 )
-from tests.precompile import _bodies
-from tests.precompile._bodies import BACKEND, Boom
+from tests.precompiling import _bodies
+from tests.precompiling._bodies import BACKEND, Boom
 
 ENV = "CADENCE_JOB_SECRET"
 # The constant every cadence release before the per-job secret signed broadcasts with:

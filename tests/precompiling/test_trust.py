@@ -29,9 +29,9 @@ import pytest
 
 import cadence
 from cadence.errors import CadenceError, UntrustedPathError
-from cadence.precompile import CacheRefusedWarning, _artifact, _job, _torch_aot, stats
-from tests.precompile import _bodies
-from tests.precompile._bodies import BACKEND, Boom, inputs, step
+from cadence.precompiling import CacheRefusedWarning, _artifact, _job, _torch_aot, stats
+from tests.precompiling import _bodies
+from tests.precompiling._bodies import BACKEND, Boom, inputs, step
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX ownership only"),

@@ -1,6 +1,6 @@
 """The ``"cadence"`` serializer path on each supported torch's compiler internals.
 
-`cadence.precompile._torch_aot` knows two shapes of torch's internals, 2.13's and
+`cadence.precompiling._torch_aot` knows two shapes of torch's internals, 2.13's and
 2.15's (see its [Note: precompile serializer paths]); these tests pin what each shape
 changes, selected by what the installed torch has, never by its version string.
 """
@@ -17,9 +17,9 @@ from torch._dynamo import aot_compile as aot_mod
 from torch._dynamo import guards
 
 import cadence
-from cadence.precompile import _torch_aot
-from cadence.precompile._errors import PrecompileError
-from tests.precompile._bodies import BACKEND
+from cadence.precompiling import _torch_aot
+from cadence.precompiling._errors import PrecompileError
+from tests.precompiling._bodies import BACKEND
 
 pytestmark = pytest.mark.filterwarnings("ignore:Cannot locate reference")
 

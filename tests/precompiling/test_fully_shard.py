@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cadence.testing import run_distributed
-from tests.precompile._fsdp_bodies import STEPS, fully_shard_body
+from tests.precompiling._fsdp_bodies import STEPS, fully_shard_body
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

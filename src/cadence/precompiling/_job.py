@@ -1,7 +1,7 @@
 """One precompile call's work on one rank: key, compile, serialize, cache, load.
 
 `Job` holds what a call needs (the function, the compile options, the cache) and does
-each step once; `cadence.precompile._api` decides, per rank, which steps run. The
+each step once; `cadence.precompiling._api` decides, per rank, which steps run. The
 counters behind `stats` live here, next to the work they count.
 """
 
@@ -15,17 +15,17 @@ from typing import Any
 
 import torch
 
-from cadence.precompile import _kernels, _torch_aot
-from cadence.precompile._artifact import ArtifactCache, make_header
-from cadence.precompile._capture import Capture, capture, frozen_in, module_class_digests
-from cadence.precompile._errors import (
+from cadence.precompiling import _kernels, _torch_aot
+from cadence.precompiling._artifact import ArtifactCache, make_header
+from cadence.precompiling._capture import Capture, capture, frozen_in, module_class_digests
+from cadence.precompiling._errors import (
     ArtifactRefused,
     CacheRefusedWarning,
     FrozenStateError,
     PrecompileError,
 )
-from cadence.precompile._function import Variant
-from cadence.precompile._key import Key, build_key
+from cadence.precompiling._function import Variant
+from cadence.precompiling._key import Key, build_key
 
 __all__ = ["Artifact", "Job", "reset_stats", "stats"]
 

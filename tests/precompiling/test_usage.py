@@ -13,7 +13,7 @@ import torch
 
 import cadence
 from cadence.errors import CadenceError
-from cadence.precompile import (
+from cadence.precompiling import (
     FrozenStateError,
     PrecompileError,
     PrecompileUsageError,
@@ -22,8 +22,8 @@ from cadence.precompile import (
     _key,
     stats,
 )
-from tests.precompile import _bodies
-from tests.precompile._bodies import TinyNet, inputs, step
+from tests.precompiling import _bodies
+from tests.precompiling._bodies import TinyNet, inputs, step
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +68,7 @@ def _args() -> tuple[Any, ...]:
             lambda: cadence.precompile(step, _args(), group=object()),
             "group was given but torch.distributed is not initialized",
         ),
-        (lambda: cadence.precompile.precompile_module(step, ()), "module must be an nn.Module"),
+        (lambda: cadence.precompiling.precompile_module(step, ()), "module must be an nn.Module"),
     ],
     ids=[
         "not-callable",
@@ -95,7 +95,7 @@ def test_precompiled_twice_is_refused() -> None:
     model = TinyNet()
     model.forward = lambda x: x  # type: ignore[method-assign]
     with pytest.raises(PrecompileUsageError, match="already replaced on this instance"):
-        cadence.precompile.precompile_module(model, (torch.randn(2, 4),))
+        cadence.precompiling.precompile_module(model, (torch.randn(2, 4),))
 
 
 @pytest.mark.parametrize(
@@ -144,19 +144,23 @@ def test_stateless_module_globals_and_arguments_are_not_frozen_state() -> None:
     assert _capture.capture(model.forward).frozen == []  # the receiver is an argument
 
 
-def test_the_package_is_the_function() -> None:
+def test_the_function_and_its_package_have_two_names() -> None:
+    """``cadence.precompile`` is a plain function and ``cadence.precompiling`` its package,
+    in any import order; ``import cadence`` stays lazy."""
     code = (
-        "import sys, cadence\n"
+        "import sys, types, cadence\n"
         "assert 'torch' not in sys.modules\n"  # import cadence stays lazy
-        "import cadence.precompile as m\n"
-        "assert m is cadence.precompile and callable(cadence.precompile)\n"
-        "from cadence import precompile\n"
-        "from cadence.precompile import precompile as fn, stats\n"
-        "assert precompile is m and fn is m.precompile and stats()['compiles'] == 0\n"
+        "fn = cadence.precompile\n"
+        "assert isinstance(fn, types.FunctionType), type(fn)\n"
+        "import cadence.precompiling as m\n"
+        "assert isinstance(m, types.ModuleType) and type(m) is types.ModuleType\n"
+        "assert cadence.precompile is fn is m.precompile and cadence.precompiling is m\n"
+        "from cadence.precompiling import precompile_module, stats\n"
+        "assert stats()['compiles'] == 0 and callable(precompile_module)\n"
         "import inspect; assert 'cache_dir' in inspect.signature(cadence.precompile).parameters\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
-    assert "precompile" in cadence.__all__
+    assert {"precompile", "precompiling"} <= set(cadence.__all__)
     assert issubclass(PrecompileError, CadenceError) and issubclass(PrecompileError, RuntimeError)
 
 
@@ -178,11 +182,11 @@ def test_key_fields_explain_a_difference() -> None:
         options={"backend": "inductor"},
     )
     other = {**key.fields, "env": {**key.fields["env"], "torch": "9.9"}}
-    other["sources"] = {**key.fields["sources"], "tests.precompile._bodies.step": "0"}
+    other["sources"] = {**key.fields["sources"], "tests.precompiling._bodies.step": "0"}
     assert key.diff(key.fields) == []
     assert key.diff(other) == [
         'env.torch: artifact "9.9", here ' + f'"{torch.__version__}"',
-        "source of tests.precompile._bodies.step changed",
+        "source of tests.precompiling._bodies.step changed",
     ]
     assert key.fields["captured"]["global SCALE"] == "float:2.0"
     shorter = _key.build_key(

@@ -284,7 +284,7 @@ def phase_load(work: Path) -> dict[str, dict[str, str]]:
 
 def _cadence_load(step: Any, model: Any, x: Any, work: Path, want: dict[str, Any]) -> str:
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", cadence.precompile.CacheRefusedWarning)
+        warnings.simplefilter("always", cadence.precompiling.CacheRefusedWarning)
         try:
             compiled = cadence.precompile(
                 step, (model, x), cache_dir=work / "cache", backend=BACKEND
@@ -292,7 +292,7 @@ def _cadence_load(step: Any, model: Any, x: Any, work: Path, want: dict[str, Any
         except Exception as exc:
             compiled, error = None, _error(exc)
     refused = [
-        str(w.message) for w in caught if w.category is cadence.precompile.CacheRefusedWarning
+        str(w.message) for w in caught if w.category is cadence.precompiling.CacheRefusedWarning
     ]
     if compiled is None or compiled.source != "cache":
         source = error if compiled is None else compiled.source

@@ -1,5 +1,8 @@
-"""cadence.precompile: compile a step once, share it with every rank, cache it safely.
+"""cadence.precompiling: compile a step once, share it with every rank, cache it safely.
 
+The package is ``precompiling`` and its main function ``cadence.precompile`` (also
+``cadence.precompiling.precompile``): a function and a package of one name would
+clash, since importing a package binds it as an attribute of its parent.
 ``cadence.precompile(fn, example_args)`` compiles ``fn`` ahead of time (``fullgraph``)
 on one rank of the group, sends the artifact to the others (which wait without spinning
 a core) and loads it everywhere; with ``cache_dir`` the artifact is kept in a signed,
@@ -18,14 +21,9 @@ directory are `cadence._util.owned`.
 
 from __future__ import annotations
 
-import inspect
-import sys
-import types
-from typing import Any
-
 from cadence.errors import UntrustedPathError
-from cadence.precompile._api import precompile, precompile_module
-from cadence.precompile._errors import (
+from cadence.precompiling._api import precompile, precompile_module
+from cadence.precompiling._errors import (
     CacheRefusedWarning,
     FrozenStateError,
     GuardFailureError,
@@ -34,9 +32,9 @@ from cadence.precompile._errors import (
     PrecompileUsageError,
     RankMismatchError,
 )
-from cadence.precompile._function import PrecompiledFunction
-from cadence.precompile._job import reset_stats, stats
-from cadence.precompile._torch_aot import SERIALIZER, SERIALIZER_REASON
+from cadence.precompiling._function import PrecompiledFunction
+from cadence.precompiling._job import reset_stats, stats
+from cadence.precompiling._torch_aot import SERIALIZER, SERIALIZER_REASON
 
 __all__ = [
     "SERIALIZER",
@@ -55,22 +53,3 @@ __all__ = [
     "reset_stats",
     "stats",
 ]
-
-
-class _CallableModule(types.ModuleType):
-    """``cadence.precompile`` is both this package and its main function.
-
-    A function exported under the package's own name would be replaced by the package
-    object as soon as anything runs ``import cadence.precompile`` (the import system binds
-    submodules as attributes of their parent), so the package itself is callable:
-    ``cadence.precompile(fn, args)``, ``cadence.precompile.stats()`` and
-    ``from cadence.precompile import precompile`` all work, in any import order.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> PrecompiledFunction:
-        return precompile(*args, **kwargs)
-
-
-_module = sys.modules[__name__]
-_module.__class__ = _CallableModule
-_module.__signature__ = inspect.signature(precompile)  # type: ignore[attr-defined]  # ModuleType has no __signature__; inspect reads it

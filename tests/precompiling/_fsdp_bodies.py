@@ -13,9 +13,9 @@ from torch.distributed.tensor import DTensor
 import cadence
 from cadence.comm import EventLog
 from cadence.fsdp import FullyShardError
-from cadence.precompile import PrecompileUsageError, precompile, precompile_module, stats
+from cadence.precompiling import PrecompileUsageError, precompile, precompile_module, stats
 from cadence.testing import max_abs_diff, shard
-from tests.precompile._bodies import BACKEND, inputs, step
+from tests.precompiling._bodies import BACKEND, inputs, step
 
 __all__ = ["fully_shard_body"]
 

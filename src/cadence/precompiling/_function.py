@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cadence.precompile import _torch_aot
-from cadence.precompile._capture import Capture
-from cadence.precompile._errors import GuardFailureError, LocalCompileWarning
+from cadence.precompiling import _torch_aot
+from cadence.precompiling._capture import Capture
+from cadence.precompiling._errors import GuardFailureError, LocalCompileWarning
 
 __all__ = ["PrecompiledFunction", "Variant", "describe_guard"]
 

@@ -17,7 +17,7 @@ import torch
 
 import cadence
 from cadence.testing import assert_close
-from tests.precompile._bodies import fresh_body
+from tests.precompiling._bodies import fresh_body
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -16,15 +16,15 @@ import pytest
 import torch
 
 import cadence
-from cadence.precompile import (
+from cadence.precompiling import (
     CacheRefusedWarning,
     GuardFailureError,
     LocalCompileWarning,
     stats,
 )
 from cadence.testing import assert_close
-from tests.precompile import _bodies
-from tests.precompile._bodies import BACKEND, inputs, loss_and_grads, step
+from tests.precompiling import _bodies
+from tests.precompiling._bodies import BACKEND, inputs, loss_and_grads, step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Cannot locate reference")
 

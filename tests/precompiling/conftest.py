@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from cadence.precompile import _torch_aot
-from tests.precompile import _bodies
+from cadence.precompiling import _torch_aot
+from tests.precompiling import _bodies
 
 # Inherited by the ranks and scripts the tests start. A pool of compile workers costs a
 # process start per core and buys nothing for the tiny graphs compiled here.

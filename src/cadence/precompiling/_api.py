@@ -49,18 +49,18 @@ from cadence._util import job_secret as _job_secret
 from cadence.comm import EventLog
 from cadence.errors import CadenceValueError, UntrustedPathError
 from cadence.fsdp._trace import refusal, traced_forward
-from cadence.precompile._artifact import ArtifactCache, check, decode, encode
-from cadence.precompile._capture import Capture
-from cadence.precompile._errors import (
+from cadence.precompiling._artifact import ArtifactCache, check, decode, encode
+from cadence.precompiling._capture import Capture
+from cadence.precompiling._errors import (
     ArtifactRefused,
     CacheRefusedWarning,
     PrecompileUsageError,
     RankMismatchError,
 )
-from cadence.precompile._function import PrecompiledFunction, Variant
-from cadence.precompile._job import Artifact, Job
-from cadence.precompile._key import Key
-from cadence.precompile._share import Channel, default_group
+from cadence.precompiling._function import PrecompiledFunction, Variant
+from cadence.precompiling._job import Artifact, Job
+from cadence.precompiling._key import Key
+from cadence.precompiling._share import Channel, default_group
 from cadence.topology import ParallelGroups
 
 __all__ = ["precompile", "precompile_module"]
@@ -83,7 +83,7 @@ def _validate(
     if isinstance(fn, torch.nn.Module):
         raise PrecompileUsageError(
             f"precompile takes a function; for a module use "
-            f"cadence.precompile.precompile_module({type(fn).__name__}(...), example_args), "
+            f"cadence.precompiling.precompile_module({type(fn).__name__}(...), example_args), "
             "which compiles its forward with the module as an argument"
         )
     if not callable(fn):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cadence.testing import run_distributed
-from tests.precompile._bodies import two_rank_body
+from tests.precompiling._bodies import two_rank_body
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from cadence._util.job_secret import SECRET_BYTES
 from cadence.comm import Comm, EventLog
-from cadence.precompile._errors import PrecompileError
+from cadence.precompiling._errors import PrecompileError
 
 __all__ = ["HEARTBEAT_S", "Channel"]
 

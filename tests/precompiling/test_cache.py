@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 import cadence
-from cadence.precompile import CacheRefusedWarning, _artifact, _torch_aot, stats
+from cadence.precompiling import CacheRefusedWarning, _artifact, _torch_aot, stats
 from cadence.testing import assert_close
-from tests.precompile import _bodies
-from tests.precompile._bodies import BACKEND, Boom, inputs, loss_and_grads, step
+from tests.precompiling import _bodies
+from tests.precompiling._bodies import BACKEND, Boom, inputs, loss_and_grads, step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Cannot locate reference")
 
@@ -124,7 +124,7 @@ def test_an_edited_function_is_compiled_again_never_run_stale(tmp_path: Path) ->
 
     def make(factor: float) -> Any:
         source = f"def step(model, x, y):\n    return ((model(x) * {factor} - y) ** 2).mean()\n"
-        namespace: dict[str, Any] = {"__name__": "tests.precompile.edited"}
+        namespace: dict[str, Any] = {"__name__": "tests.precompiling.edited"}
         exec(compile(source, "edited.py", "exec"), namespace)
         fn = namespace["step"]
         assert isinstance(fn, types.FunctionType)
@@ -136,6 +136,7 @@ def test_an_edited_function_is_compiled_again_never_run_stale(tmp_path: Path) ->
     second, refused = _precompile(cache, make(5.0))  # loss_and_grads checks the new code
     assert second.source == "compiled"
     assert (
-        len(refused) == 1 and "stale: source of tests.precompile.edited.step changed" in refused[0]
+        len(refused) == 1
+        and "stale: source of tests.precompiling.edited.step changed" in refused[0]
     )
     assert os.path.exists(second.cache_path) and second.cache_path == first.cache_path

@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from cadence._util.owned import make_private_dir, read_or_create_key
-from cadence.precompile._errors import ArtifactRefused
-from cadence.precompile._key import FORMAT_VERSION, Key
+from cadence.precompiling._errors import ArtifactRefused
+from cadence.precompiling._key import FORMAT_VERSION, Key
 
 __all__ = [
     "KEY_FILE",
