@@ -116,6 +116,7 @@ ROOMS: dict[str, set[str]] = {
         "_util/",
         "_grad_timing/",  # GradientTiming: the verbs the loop calls on either wrapper
         "_groups/dist_init.py",
+        "_groups/missing.py",  # which rank stopped answering, when a collective times out
         "launch.py",
         "comm.py",
         "topology.py",
@@ -192,6 +193,7 @@ DIST_USERS: dict[str, tuple[set[str], str]] = {
         "Comm's exchange collectives: messages posted from its threads",
     ),
     "_groups/dist_init.py": ({DIST}, "cadence.init: init_process_group and its rendezvous store"),
+    "_groups/missing.py": ({DIST}, "the store, asked which rank stopped answering"),
     "topology.py": ({DIST, MESH}, "creates the parallel axes' groups and mesh"),
     "_groups/dp_layout.py": (
         {DIST, MESH, DTENSOR},

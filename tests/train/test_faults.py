@@ -9,7 +9,8 @@ Specification:
 - under cadence's own launcher, a SIGKILLed rank stops every rank, the error names
   it, and relaunching with ``--resume`` continues the same curve;
 - a collective whose peer stopped answering ends the rank after
-  ``--collective-timeout`` with an error naming the rank, the step and the collective.
+  ``--collective-timeout`` with an error naming the rank, the step, the collective and
+  the peer that never reported the same timeout (the one that stopped answering).
 """
 
 from __future__ import annotations
@@ -81,3 +82,5 @@ def test_a_hung_collective_names_the_rank_and_the_collective() -> None:
     message = str(info.value)
     assert "rank 0 raised CollectiveTimeoutError: rank 0 timed out in step 2" in message
     assert "all_reduce on group" in message and "--collective-timeout" in message
+    # The stalled rank is named: it never reported the timeout the others hit.
+    assert "rank(s) [1] had not reported a timeout 2 s later" in message, message

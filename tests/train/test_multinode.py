@@ -16,7 +16,9 @@ addressed). Specification:
 - without that setting, a job with restarts across nodes is refused at its start, in
   one line naming the variable (`cadence.train.preflight.torchrun_rejoin_problem`);
 - two nodes inside an emulated link (`cadence.link`) whose link is slowed 100x and then
-  cut for 3 s mid-run finish with the losses of an uninterrupted run, bit for bit.
+  cut for 3 s mid-run finish with the losses of an uninterrupted run, bit for bit;
+- a worker that stops answering on one node (SIGSTOP) ends the job on both nodes, and
+  the other node's error names it (rank 1) beside the collective that timed out.
 """
 
 from __future__ import annotations
@@ -133,8 +135,8 @@ def _wait(procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout: float
                 _kill_node(p)
 
 
-def _kill_node(agent: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the agent and every process under it (torchrun starts its workers in
+def _tree(agent: subprocess.Popen[bytes]) -> list[int]:
+    """The agent's pid and every process under it (torchrun starts its workers in
     sessions of their own, so the agent's process group alone would leave them)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -148,11 +150,20 @@ def _kill_node(agent: subprocess.Popen[bytes]) -> None:
         pid = todo.pop()
         tree.append(pid)
         todo.extend(children.get(pid, []))
-    for pid in tree:
+    return tree
+
+
+def _signal(pids: list[int], signum: int) -> None:
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
+
+
+def _kill_node(agent: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the agent and every process under it."""
+    _signal(_tree(agent), signal.SIGKILL)
     agent.wait()
 
 
@@ -268,3 +279,30 @@ def test_a_link_slowed_then_cut_mid_run_is_ridden_out(tmp_path: Path) -> None:
         codes = _wait(procs, logs, 240)
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     assert _losses(run) == _one_node(tmp_path / "one", ["--steps", "300"])
+
+
+def test_a_rank_hung_on_one_node_stops_the_job_and_is_named(tmp_path: Path) -> None:
+    """Node 3's worker stops answering (SIGSTOP: alive, silent) after the first
+    checkpoint. Node 2's rank times out in its collective within --collective-timeout,
+    and its error names rank 1 as the one that never reported the same timeout; node
+    2's agent then ends the job, and node 3's agent stops too."""
+    run = tmp_path / "two"
+    steps = ["--steps", "200", "--checkpoint-every", "2", "--collective-timeout", "3"]
+    argv = [*TRAIN, *steps, "--run-dir", str(run)]
+    port, logs = _free_port(), [tmp_path / "node2.log", tmp_path / "node3.log"]
+    procs = _nodes(port, argv, logs, restarts=0)
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "step-2").is_dir():
+        assert time.monotonic() < deadline, logs[0].read_text()[-2000:]
+        assert procs[0].poll() is None, logs[0].read_text()[-2000:]
+        time.sleep(0.05)
+    stopped = _tree(procs[1])[1:]  # node 3's worker(s), not its agent
+    _signal(stopped, signal.SIGSTOP)
+    try:
+        codes = _wait(procs, logs, 120)
+    finally:
+        _signal(stopped, signal.SIGKILL)
+    text = logs[0].read_text()
+    assert codes[0] != 0 and codes[1] != 0, (codes, text[-3000:])
+    assert "error: rank 0 timed out in step" in text, text[-3000:]
+    assert "rank(s) [1] had not reported a timeout" in text, text[-3000:]

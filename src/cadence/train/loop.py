@@ -19,6 +19,7 @@ from typing import cast
 import torch
 
 from cadence._grad_timing.timing import GradientTiming
+from cadence._groups.missing import missing_ranks
 from cadence.comm import Comm, EventLog
 from cadence.errors import CadenceError
 from cadence.train._errors import CollectiveTimeoutError
@@ -214,6 +215,9 @@ def _logs(state: TrainState, reduce_loss: _LossReducer) -> tuple[EventLog, ...]:
     return (state.event_log, reduce_loss.log, *clip)
 
 
+_GRACE_S = 2.0  # how long a timed-out rank waits for the others to report theirs
+
+
 def _describe_timeout(
     state: TrainState, step: int, logs: tuple[EventLog, ...], exc: BaseException
 ) -> str:
@@ -231,8 +235,11 @@ def _describe_timeout(
         what = f"{e.kind} on group {e.group!r} ({e.numel} x {e.dtype})"
     else:
         what = "a pipeline send/recv or a collective outside the event log"
+    # Which peer: [Note: naming the rank that stopped answering] in _groups/missing.py.
+    missing = missing_ranks(step, grace_s=_GRACE_S)
+    who = f" {missing.describe(_GRACE_S)}." if missing is not None else ""
     return (
         f"rank {state.groups.rank} timed out in step {step} waiting for its peers in {what}: "
-        f"a peer rank stopped answering (hung, or stopped). Raise --collective-timeout if "
-        f"the peers are only slow. Backend error: {str(exc).splitlines()[0]}"
+        f"a peer rank stopped answering (hung, or stopped).{who} Raise --collective-timeout "
+        f"if the peers are only slow. Backend error: {str(exc).splitlines()[0]}"
     )
