@@ -58,14 +58,15 @@ def missing_ranks(step: int, *, grace_s: float = 2.0) -> Missing | None:
     """
     if not dist.is_initialized():
         return None
-    try:
+    try:  # torch's private accessor, in 2.13 and 2.15; without it, nobody is named
         store = dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError):
+    except (AttributeError, RuntimeError, ValueError):
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
     keys = [f"{_PREFIX}/{step}/{r}" for r in range(world)]
     try:
-        # Bounded: a store whose host stopped would otherwise block for the job's timeout.
+        # Bounded: a store whose host stopped would otherwise block for the job's timeout
+        # (this process is ending with the error, so its store's timeout may change).
         store.set_timeout(timedelta(seconds=max(grace_s, 1.0)))
         store.set(keys[rank], "1")
         deadline = time.monotonic() + grace_s
