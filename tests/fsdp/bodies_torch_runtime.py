@@ -181,12 +181,7 @@ def a_unit_called_twice_in_one_forward_matches_fsdp2(raf: bool) -> None:
         opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pair.ours, pair.theirs)]
         for step in range(STEPS):
             x = _local(_batch(step))
-            losses = []
-            for m in (pair.ours, pair.theirs):
-                loss = m(x).sum()
-                loss.backward()
-                losses.append(float(loss.detach()))
-            _same_loss(f"step {step}", *losses)
+            pair.backward(f"step {step}", lambda m, x=x: m(x).sum())
             _same_counts(f"step {step}", *pair.counts())
             pair.check(f"raf={raf} step {step}")
             for o in opts:
@@ -298,12 +293,7 @@ def a_child_unit_runs_alone_after_a_root_step() -> None:
         for step in range(STEPS):
             x = _local(_batch(step))
             for part, run in (("root", lambda m, x: m(x)), ("child", lambda m, x: m[0](x))):
-                losses = []
-                for m in (pair.ours, pair.theirs):
-                    loss = run(m, x).sum()
-                    loss.backward()
-                    losses.append(float(loss.detach()))
-                _same_loss(f"step {step} {part}", *losses)
+                pair.backward(f"step {step} {part}", lambda m, run=run, x=x: run(m, x).sum())
                 pair.check(f"step {step} {part}")
                 for o in opts:
                     o.step()
@@ -335,12 +325,7 @@ def _train_double_linear(pair: _Pair, loss_of: Callable[[Any, int], torch.Tensor
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pair.ours, pair.theirs)]
     for step in range(6):
         x = _local(_batch(step, rows=2))
-        losses = []
-        for m in (pair.ours, pair.theirs):
-            loss = loss_of(m(x), step)
-            loss.backward()
-            losses.append(float(loss.detach()))
-        _same_loss(f"step {step}", *losses)
+        pair.backward(f"step {step}", lambda m, x=x, step=step: loss_of(m(x), step))
         _same_counts(f"step {step}", *pair.counts())
         pair.check(f"step {step} before the step")
         for o in opts:
@@ -468,12 +453,7 @@ def non_tensor_activations_match_fsdp2(kind: str) -> None:
         opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (pair.ours, pair.theirs)]
         for step in range(STEPS):
             x = _local(_batch(step, rows=2))
-            losses = []
-            for m in (pair.ours, pair.theirs):
-                loss = m(x).sum()
-                loss.backward()
-                losses.append(float(loss.detach()))
-            _same_loss(f"{kind} step {step}", *losses)
+            pair.backward(f"{kind} step {step}", lambda m, x=x: m(x).sum())
             _same_counts(f"{kind} step {step}", *pair.counts())
             pair.check(f"{kind} step {step}")
             for o in opts:
@@ -537,12 +517,7 @@ def reset_after_an_exception_in_forward_matches_fsdp2() -> None:
         pair.counts()  # the aborted forward's collectives are not compared
         for step in range(1, STEPS + 1):
             x = _local(_batch(step))
-            losses = []
-            for m in (pair.ours, pair.theirs):
-                loss = m(x).sum()
-                loss.backward()
-                losses.append(float(loss.detach()))
-            _same_loss(f"step {step}", *losses)
+            pair.backward(f"step {step}", lambda m, x=x: m(x).sum())
             _same_counts(f"step {step}", *pair.counts())
             pair.check(f"step {step}")
             for o in opts:
@@ -579,12 +554,7 @@ def unshard_before_the_first_forward_matches_fsdp2() -> None:
             m.reshard()
         pair.counts()
         x = _local(_batch(0))
-        losses = []
-        for m in (pair.ours, pair.theirs):
-            loss = m(x).sum()
-            loss.backward()
-            losses.append(float(loss.detach()))
-        _same_loss("after unshard/reshard", *losses)
+        pair.backward("after unshard/reshard", lambda m, x=x: m(x).sum())
         pair.check("after unshard/reshard")
     finally:
         pair.close()
@@ -614,12 +584,7 @@ def a_root_without_forward_inputs_matches_fsdp2() -> None:
     with _Pair(_NoInputs(), apply) as pair:
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pair.ours, pair.theirs)]
         for step in range(STEPS):
-            losses = []
-            for m in (pair.ours, pair.theirs):
-                loss = m().sum()
-                loss.backward()
-                losses.append(float(loss.detach()))
-            _same_loss(f"step {step}", *losses)
+            pair.backward(f"step {step}", lambda m: m().sum())
             _same_counts(f"step {step}", *pair.counts())
             pair.check(f"step {step}")
             for o in opts:
@@ -661,12 +626,7 @@ def a_parameterless_root_unit_matches_fsdp2() -> None:
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pair.ours, pair.theirs)]
         for step in range(STEPS):
             x, y1, y2 = (_local(_batch(step, seed=s)) for s in (3, 4, 5))
-            losses = []
-            for m in (pair.ours, pair.theirs):
-                loss = m(x, (y1, y2)).sum()
-                loss.backward()
-                losses.append(float(loss.detach()))
-            _same_loss(f"step {step}", *losses)
+            pair.backward(f"step {step}", lambda m, x=x, y=(y1, y2): m(x, y).sum())
             _same_counts(f"step {step}", *pair.counts())
             pair.check(f"step {step}")
             for o in opts:
