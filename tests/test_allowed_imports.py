@@ -168,6 +168,7 @@ TORCH_FREE: dict[str, str] = {
     "train/preflight.py": NEVER,
     "train/data/__init__.py": NEVER,
     "train/data/stream.py": NEVER,  # --data is read and checked before any rank starts
+    "train/placement.py": NEVER,  # pure arithmetic on the layout; tested without a world
     "train/data/shards.py": NEVER,
     "train/data/text.py": NEVER,
     "train/data/corpus.py": NEVER,

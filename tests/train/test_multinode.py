@@ -4,7 +4,10 @@ Each node is an agent with its own loopback address (``--local-addr 127.0.0.N``)
 meeting at a c10d rendezvous on 127.0.0.1 (host loopback only; nothing else is ever
 addressed). Specification:
 - two nodes of one worker each train ``cadence train`` (DataParallel) with the losses
-  of a one-node run of the same world and global batch, bit for bit;
+  of a one-node run of the same world and global batch, bit for bit; so do HSDP on two
+  nodes of two (replicas across the nodes, shards inside) and the 3-D layout on two
+  nodes of four (one pipeline stage per node, HSDP inside it), whose first lines say
+  which axes cross the nodes (`cadence.train.placement`);
 - a node killed whole (its agent and every process under it get SIGKILL) after a checkpoint and
   started again 2 s later rejoins with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (as
   ``docs/multinode.md`` says); the run resumes from the last complete checkpoint and
@@ -76,6 +79,7 @@ def _node(
     nnodes: str = "2",
     rdzv_conf: str = "",
     link: EmulatedLink | None = None,
+    per_node: int = 1,
 ) -> subprocess.Popen[bytes]:
     """Node ``n``'s agent (address 127.0.0.n), in a session of its own: killing its
     process group kills the agent and its worker, as a node that dies. With ``link``,
@@ -83,7 +87,7 @@ def _node(
     conf = ["--rdzv-conf", rdzv_conf] if rdzv_conf else []
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", nnodes, "--nproc-per-node", "1", *conf,
+        "--nnodes", nnodes, "--nproc-per-node", str(per_node), *conf,
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
         "--rdzv-id", "cadence-test", "--local-addr", f"127.0.0.{n}",
         "--max-restarts", str(restarts),
@@ -184,6 +188,56 @@ def test_two_nodes_train_as_one(tmp_path: Path) -> None:
     codes = _wait(procs, logs, 150)
     assert codes == [0, 0], "\n".join(log.read_text()[-2000:] for log in logs)
     assert _losses(run) == _one_node(tmp_path / "one", ["--steps", "3"])
+
+
+@pytest.mark.parametrize(
+    ("per_node", "layout", "across", "inside"),
+    [
+        (2, ["--fsdp", "--dp-replicate", "2"], "replicate (HSDP's", "shard (fully_shard's"),
+        (
+            4,
+            ["--pp", "2", "--fsdp", "--dp-replicate", "2", "--batch-size", "16"],
+            "pipeline (activations",
+            "replicate (HSDP's gradient all-reduce), shard",
+        ),
+    ],
+    ids=["hsdp", "pipeline_x_hsdp"],
+)
+def test_layouts_across_two_nodes_train_as_one_node(
+    tmp_path: Path, per_node: int, layout: list[str], across: str, inside: str
+) -> None:
+    """Two nodes: HSDP (two workers each) with its replicas across the nodes and its
+    shards inside one; the 3-D layout (four workers each), a two-stage pipeline with one
+    stage per node and HSDP inside it. The run says so in its first lines, and its
+    losses are a one-node run's, bit for bit."""
+    run = tmp_path / "two"
+    argv = [*TRAIN, *layout, "--steps", "3", "--run-dir", str(run)]
+    port, logs = _free_port(), [tmp_path / "node2.log", tmp_path / "node3.log"]
+    procs = _nodes(port, argv, logs, restarts=0, per_node=per_node)
+    codes = _wait(procs, logs, 180)
+    text = "".join(log.read_text() for log in logs)
+    assert codes == [0, 0], text[-4000:]
+    placement = next(
+        line for line in text.splitlines() if f"placement: 2 nodes of {per_node}" in line
+    )
+    assert f"across nodes: {across}" in placement, placement
+    assert f"inside a node: {inside}" in placement, placement
+    assert "span nodes" not in text, text[-4000:]
+    one = main(
+        [
+            "train",
+            "--nproc",
+            str(2 * per_node),
+            *TRAIN,
+            *layout,
+            "--steps",
+            "3",
+            "--run-dir",
+            str(tmp_path / "one"),
+        ]
+    )
+    assert one == 0
+    assert _losses(run) == _losses(tmp_path / "one")
 
 
 def test_a_killed_node_rejoins_and_the_run_resumes_exactly(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from cadence.train.history import RunHistory
 from cadence.train.log import console, logger
 from cadence.train.loop import run_loop
 from cadence.train.metrics import flop_params, peak_memory_bytes
+from cadence.train.placement import torchrun_placement
 from cadence.train.plots import (
     TIMELINE_MAX_EVENTS,
     TIMELINE_STEPS,
@@ -70,6 +71,13 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
     # Validated for the real world size before the first collective (init).
     layout = cfg.layout()
     pg = init(topology_for(layout), timeout=cfg.collective_timeout)
+    if pg.rank == 0:
+        described = torchrun_placement(layout, os.environ)
+        if described is not None:
+            line, warning = described
+            logger.info("%s", line)
+            if warning:
+                logger.warning("%s", warning)
     state = build_state(cfg, pg)
     if cfg.data and pg.rank == 0:
         corpus = state.data.corpus  # type: ignore[union-attr]  # cfg.data: state.data is a TokenWindows
