@@ -127,6 +127,8 @@ ROOMS: dict[str, set[str]] = {
         "pipeline/runtime/",
         "precompiling/",
     },
+    # DataParallel under torchft's quorum (the optional ft extra): on top, like train/.
+    "ft.py": {"errors.py", "data_parallel/"},
     "bench/": {
         "errors.py",
         "launch.py",
@@ -166,9 +168,9 @@ TORCH_FREE: dict[str, str] = {
     "train/_errors.py": NEVER,  # raised by the torch-free config, data and preflight
     "train/_rules.py": NEVER,
     "train/preflight.py": NEVER,
+    "train/placement.py": NEVER,  # pure arithmetic on the layout; tested without a world
     "train/data/__init__.py": NEVER,
     "train/data/stream.py": NEVER,  # --data is read and checked before any rank starts
-    "train/placement.py": NEVER,  # pure arithmetic on the layout; tested without a world
     "train/data/shards.py": NEVER,
     "train/data/text.py": NEVER,
     "train/data/corpus.py": NEVER,
