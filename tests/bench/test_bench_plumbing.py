@@ -388,3 +388,18 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
         for r in record["rows"]]}  # fmt: skip
     table = _link_tables(linked)
     assert "**calibrated**" in table and "| dense_adamw | 0.5 Gbit/s" in table
+
+
+def test_a_case_on_a_link_carries_four_times_the_batch() -> None:
+    """[Note: a case on a link carries more compute per byte]: every full-size case
+    runs on a link with four times its batch, nothing else changed, and says so."""
+    from cadence.bench.step import CASES, LINK_BATCH_SCALE, on_link
+
+    assert LINK_BATCH_SCALE == 4
+    for name, spec in CASES.items():
+        moved = on_link(spec)
+        assert moved["batch"] == 4 * spec["batch"], name
+        assert {k: v for k, v in moved.items() if k not in ("batch", "what")} == {
+            k: v for k, v in spec.items() if k not in ("batch", "what")
+        }, name
+        assert moved["what"].endswith("(batch x4 on a link)"), moved["what"]
