@@ -91,7 +91,7 @@ def _cycles() -> set[frozenset[str]]:
 def _py_files() -> list[Path]:
     return [
         p
-        for d in ("src", "tests", "bench", "examples")
+        for d in ("src", "tests", "examples")
         for p in sorted((ROOT / d).rglob("*.py"))
         if ".venv" not in p.parts
     ]

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from cadence.bench._run import KINDS as BENCH_KINDS  # torch-free, like this parser
+from cadence.bench._run import OPTIONS as BENCH_OPTIONS
+from cadence.bench._run import QUESTIONS as BENCH_QUESTIONS
 from cadence.errors import CadenceError, CadenceValueError, UsageError
 from cadence.launch import LaunchError
 from cadence.pipeline.schedule.channels import CHANNEL_MODES
@@ -598,7 +600,12 @@ def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (1-2 min each)")
     parser.add_argument(
-        "--results", type=Path, default=Path("bench/results"), help="where records go"
+        "--results",
+        type=Path,
+        default=None,
+        help="the folder each run writes its record and chart into, and nothing elsewhere, "
+        "and that 'report' reads (default: $XDG_CACHE_HOME/cadence/bench, else "
+        "~/.cache/cadence/bench; never the current folder)",
     )
     parser.add_argument(
         "--docs", type=Path, default=None, help="with 'report': the page (docs/benchmarks.md)"
@@ -618,27 +625,141 @@ def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         metavar="NAME[,NAME...]",
         help="with 'step': only these cases (default: all)",
     )
+    _add_bench_questions(parser)
     _add_debug(parser)
     parser.set_defaults(func=_bench)
     return parser
 
 
+# The flags that ask a comparison a further question (cadence.bench._run.QUESTIONS), by
+# argparse dest; the three of 'pickle' add to one run.
+_BENCH_QUESTION_FLAGS = {
+    "finalize_patterns": "finalize-patterns",
+    "memtracker": "memtracker",
+    "bubbles": "bubbles",
+    "batch_p2p": "batch-p2p",
+    "loads": "extended",
+    "dill": "extended",
+    "out_of_band": "extended",
+}
+# A run() keyword whose flag is not its name.
+_BENCH_FLAG = {"world": "--nproc", "ship_kernels": "--no-ship-kernels"}
+
+
+def _add_bench_questions(parser: argparse.ArgumentParser) -> None:
+    """The further questions of ``cadence bench`` and their sizes (each writes a record of
+    its own kind: see [Note: a further question writes a record of its own kind])."""
+    ask = parser.add_argument_group(
+        "further questions",
+        "one comparison asked more; the record's kind is KIND-QUESTION (pp-bubbles), which "
+        "'report' leaves off the page",
+    )
+    flag = ask.add_argument
+    flag("--finalize-patterns", action="store_true", help="with 'dp': a CPU task after "
+         "backward run while the all-reduces are in flight (manual finalize_backward()) "
+         "against after them (auto, DDP), and the time blocked in wait()")  # fmt: skip
+    flag("--profile", action="store_true",
+         help="with 'dp --finalize-patterns': a cProfile of 10 cadence and 10 DDP steps")  # fmt: skip
+    flag("--memtracker", action="store_true", help="with 'fsdp': peak memory by torch's "
+         "MemTracker (storage resizes included), AdamW, at any --nproc and shape")  # fmt: skip
+    flag("--bubbles", action="store_true", help="with 'pp': measured bubbles (time in the "
+         "compute handlers) against the simulator's and the closed form")  # fmt: skip
+    flag("--source", choices=["cadence", "torch"], default=None,
+         help="with 'pp --bubbles': torch runs torch's own lowered lists under cadence's "
+         "executor (default: cadence)")  # fmt: skip
+    flag("--batch-p2p", action="store_true",
+         help="with 'pp': batch_isend_irecv against one post per SEND/RECV")  # fmt: skip
+    flag("--loads", action="store_true", help="with 'pickle': loads time as well as dumps")
+    flag("--dill", action="store_true", help="with 'pickle': dill beside cadence")
+    flag("--out-of-band", action="store_true", help="with 'pickle': large buffers under "
+         "protocol 5 with a buffer_callback (memoryview, numpy, torch tensor)")  # fmt: skip
+    size = parser.add_argument_group("sizes and variants", "defaults: each run's own")
+    size.add_argument("--nproc", type=int, default=None, metavar="N",
+                      help="local ranks, with 'precompile' (default 2) or a further question "
+                      "of 'dp', 'fsdp', 'pp' (default 2)")  # fmt: skip
+    for name, what in (("layers", "blocks"), ("width", "width (d_model)"),
+                       ("batch", "batch per rank")):  # fmt: skip
+        size.add_argument(f"--{name}", type=int, default=None, metavar="N",
+                          help=f"the model's {what}, with a further question of 'dp', "
+                          "'fsdp', 'pp'")  # fmt: skip
+    size.add_argument("--shared-inductor-cache", action="store_true",
+                      help="with 'precompile': one cold inductor cache for the ranks of a run "
+                      "(one node) instead of one per rank")  # fmt: skip
+    size.add_argument("--no-ship-kernels", action="store_true",
+                      help="with 'precompile': artifacts without their C++ kernels")  # fmt: skip
+
+
+def _bench_question(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
+    """The further question the flags ask of ``args.kind``, and run()'s options; refuses
+    a flag that does not apply, naming the runs it applies to."""
+    asked = [dest for dest in _BENCH_QUESTION_FLAGS if getattr(args, dest)]
+    for dest in asked:
+        kind = BENCH_QUESTIONS[_BENCH_QUESTION_FLAGS[dest]].kind
+        if kind != args.kind:
+            raise CadenceValueError(
+                f"--{dest.replace('_', '-')} applies to 'cadence bench {kind}', not {args.kind!r}"
+            )
+    questions = sorted({_BENCH_QUESTION_FLAGS[dest] for dest in asked})
+    if len(questions) > 1:
+        raise CadenceValueError(
+            f"--{questions[0]} and --{questions[1]} are two runs of 'cadence bench "
+            f"{args.kind}': give one at a time"
+        )
+    question = questions[0] if questions else None
+    options: dict[str, Any] = {k: getattr(args, k) for k in ("layers", "width", "batch", "source")}
+    options |= {"world": args.nproc, "profile": args.profile or None,
+                "shared_inductor_cache": args.shared_inductor_cache or None,
+                "ship_kernels": False if args.no_ship_kernels else None}  # fmt: skip
+    options = {k: v for k, v in options.items() if v is not None}
+    if question == "extended":
+        options |= {k: getattr(args, k) for k in ("loads", "dill", "out_of_band")}
+    allowed = BENCH_QUESTIONS[question].options if question else BENCH_OPTIONS.get(args.kind, ())
+    for key in options:
+        if key in allowed:
+            continue
+        runs = [f"'cadence bench {k}'" for k, opts in BENCH_OPTIONS.items() if key in opts]
+        runs += [f"'cadence bench {q.kind} --{name}'" for name, q in BENCH_QUESTIONS.items()
+                 if key in q.options and name != "extended"]  # fmt: skip
+        here = f"cadence bench {args.kind}" + (f" --{question}" if question else "")
+        raise CadenceValueError(
+            f"{_BENCH_FLAG.get(key, '--' + key.replace('_', '-'))} does not apply to "
+            f"'{here}'; it goes with {', '.join(runs)}"
+        )
+    return question, options
+
+
 def _bench(args: argparse.Namespace) -> int:
     from cadence.bench import format_rows, run_bench, write_docs
+    from cadence.bench._record import default_results_dir
 
+    question, options = _bench_question(args)
+    if args.results is None:
+        args.results = default_results_dir()
     if args.kind == "report":
         if args.quick:
             raise CadenceValueError(
                 "--quick applies to a comparison, not to 'cadence bench report'"
             )
-        print(f"wrote {write_docs(args.results, args.docs or Path('docs/benchmarks.md'))}")
+        docs = args.docs or Path("docs/benchmarks.md")
+        if not docs.parent.is_dir():
+            # The default page is the repository's: outside a checkout there is no
+            # docs/ folder, and creating one where the user stands would be a surprise.
+            raise CadenceValueError(
+                f"'cadence bench report' writes {docs}, but {docs.parent}/ does not exist "
+                "here; run it from the cadence repository's root, or give --docs PATH"
+            )
+        print(f"wrote {write_docs(args.results, docs)}")
         return 0
     if args.docs is not None:
         raise CadenceValueError(
             f"--docs applies to 'cadence bench report' only; run 'cadence bench {args.kind}', "
             "then 'cadence bench report --docs PATH'"
         )
-    options: dict[str, Any] = {}
+    if args.link is not None and (question or options):
+        raise CadenceValueError(
+            "--link runs a comparison as it is, without a further question or size: "
+            "drop --link, or those flags"
+        )
     if args.cases is not None:
         if args.kind != "step":
             raise CadenceValueError(f"--cases applies to 'cadence bench step', not {args.kind!r}")
@@ -659,7 +780,9 @@ def _bench(args: argparse.Namespace) -> int:
             )
         return bench_on_link(args.kind, args.link, quick=args.quick, results=args.results,
                              cases=options.get("cases"))  # fmt: skip
-    record, path, chart = run_bench(args.kind, quick=args.quick, out_dir=args.results, **options)
+    record, path, chart = run_bench(
+        args.kind, quick=args.quick, out_dir=args.results, question=question, **options
+    )
     print(format_rows(record))
     print(f"record: {path}" + (f"; chart: {chart}" if chart else "; no chart (no matplotlib)"))
     return 0

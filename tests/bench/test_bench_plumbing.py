@@ -223,6 +223,28 @@ def test_cli_report_and_refusal(tmp_path: Path, capsys: pytest.CaptureFixture[st
         run_bench("ddp", out_dir=tmp_path)
 
 
+def test_results_go_to_the_cache_never_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --results, records go to the user's cache; 'report' outside a checkout
+    (no docs/ folder here) is refused rather than creating one, and writes nothing."""
+    from cadence.bench._record import default_results_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert default_results_dir() == tmp_path / "cache" / "cadence" / "bench"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_results_dir() == Path.home() / ".cache" / "cadence" / "bench"
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["bench", "report"]) != 0
+    assert (
+        "docs/ does not exist here; run it from the cadence repository's root, or give "
+        "--docs PATH" in capsys.readouterr().err
+    )
+    assert list(here.iterdir()) == []
+
+
 def test_cli_refuses_options_that_do_not_apply(tmp_path: Path) -> None:
     with pytest.raises(CadenceValueError, match="--quick applies to a comparison"):
         main(["--debug", "bench", "report", "--quick", "--results", str(tmp_path)])

@@ -23,7 +23,7 @@
 Each comparison runs in one process tree, interleaves the implementations, and
 reports median ratios with their spread, an A/A noise figure and the machine load.
 `run_bench` writes the JSON record and its PNG chart into the folder it is given
-(the CLI's ``--results``, ``bench/results/`` by default: scratch, ignored by git);
+(the CLI's ``--results``; by default the user's cache, ``~/.cache/cadence/bench``);
 `write_docs` regenerates a page (``docs/benchmarks.md``) from the newest records and
 keeps the records it cites beside it, in ``records/``.
 """

@@ -58,11 +58,13 @@ def launch_ranks(
     world: int,
     timeout: float,
     env: Mapping[str, str] | None = None,
+    backend: str | None = None,
 ) -> list[Any]:
-    """Run ``fn`` on ``world`` local ranks, one intra-op thread each (both sides alike)."""
+    """Run ``fn`` on ``world`` local ranks, one intra-op thread each (both sides alike);
+    ``backend`` (default: `device_and_backend`'s) pins it where the question is a CPU's."""
     from cadence.launch import launch
 
-    _, backend = device_and_backend(world)
+    backend = backend or device_and_backend(world)[1]
     return launch(
         fn,
         *args,

@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "RECORD_VERSION",
+    "default_results_dir",
     "machine_info",
     "make_record",
     "paired_ratios",
@@ -34,6 +35,14 @@ __all__ = [
 ]
 
 RECORD_VERSION = 1
+
+
+def default_results_dir() -> Path:
+    """Where a run writes without ``--results``: the user's cache, never the folder the
+    command runs from (a record appearing in whatever folder one stood in is a
+    surprise). ``$XDG_CACHE_HOME/cadence/bench``, else ``~/.cache/cadence/bench``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "cadence" / "bench"
 
 
 def machine_info() -> dict[str, Any]:

@@ -6,7 +6,7 @@ holds a large unrelated global. Per repetition each of cadence, cloudpickle and 
 second cloudpickle (A/A) pickles the object a fixed number of times (enough for
 ~20 ms), the order rotated per repetition; time is CPU time of this process.
 Targets: dumps time <= 0.80 of cloudpickle's; payload size <= 1.00.
-(``bench/bench_pickling.py`` adds loads, dill and out-of-band buffers.)
+(``--loads``, ``--dill``, ``--out-of-band``: `cadence.bench._pickle_extended`.)
 """
 
 from __future__ import annotations
