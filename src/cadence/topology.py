@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
@@ -26,7 +27,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cadence.errors import CadenceRuntimeError, CadenceValueError
 
-__all__ = ["Coords", "ParallelGroups", "Topology", "can_split", "group_device"]
+__all__ = [
+    "Coords",
+    "ParallelGroups",
+    "Topology",
+    "can_split",
+    "group_device",
+    "subgroup_timeout",
+]
 
 
 class Coords(NamedTuple):
@@ -200,6 +208,29 @@ class Topology:
         )
 
 
+def subgroup_timeout(parent: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The timeout for a group made from ``parent`` (default: the world): the parent's own.
+
+    [Note: subgroups wait as long as the world]
+    A group made by ``new_group`` or ``split_group`` without ``timeout=`` gets torch's
+    default (30 minutes for gloo, 10 for NCCL), not the timeout the default group was
+    initialised with. So a rank hung in an HSDP replica all-reduce, a pipeline send or a
+    checkpoint's gather would keep its peers waiting for half an hour, whatever
+    `cadence.init`'s ``timeout`` or ``cadence train --collective-timeout`` said. Every
+    group cadence makes passes this instead. torch keeps a group's timeout only in its
+    backend's private ``options._timeout`` (torch 2.13 to 2.15); where that cannot be
+    read, None (torch's default, as without it).
+    """
+    group = parent if parent is not None else dist.group.WORLD
+    if group is None:
+        return None
+    try:
+        timeout = group._get_backend(group_device(group)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
+
+
 def can_split() -> bool:
     """Whether ``split_group`` can split the default group here (see
     [Note: groups by split, flat in the world]): its backend says it supports splitting,
@@ -229,11 +260,13 @@ def _create_axis(
         assert dist.group.WORLD is not None
         return dist.group.WORLD
     if split:
-        group = dist.split_group(split_ranks=groups, group_desc=f"cadence_{dim}")
+        group = dist.split_group(
+            split_ranks=groups, group_desc=f"cadence_{dim}", timeout=subgroup_timeout()
+        )
     else:
         group = None
         for ranks in groups:
-            created = dist.new_group(ranks=ranks, backend=backend)
+            created = dist.new_group(ranks=ranks, backend=backend, timeout=subgroup_timeout())
             if rank in ranks:
                 group = created
     assert isinstance(group, dist.ProcessGroup), f"rank {rank} is in no {dim} group"

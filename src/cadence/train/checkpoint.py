@@ -95,6 +95,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from cadence.errors import UntrustedPathError
+from cadence.topology import subgroup_timeout
 from cadence.train import lr_schedule
 from cadence.train._dcp_read import CheckedReader, WeightsOnlyPlanner
 from cadence.train._errors import CheckpointError, ResumeRefusedError, TrainConfigError
@@ -500,7 +501,7 @@ class Checkpointer:
         self._failed: BaseException | None = None
         # Every rank is a member (ranks=None), so new_group returns a ProcessGroup.
         self._group = (
-            cast(dist.ProcessGroup, dist.new_group(backend="gloo"))
+            cast(dist.ProcessGroup, dist.new_group(backend="gloo", timeout=subgroup_timeout()))
             if cfg.async_checkpoint
             else None
         )

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from cadence import EventLog
 from cadence.pipeline.runtime import PlanMismatchError, build_channel_groups
 from cadence.pipeline.schedule import ChannelPlan
-from cadence.topology import can_split
+from cadence.topology import can_split, subgroup_timeout
 from tests._group_spy import spy_groups
 
 LOOP4 = [(0, 1), (1, 2), (2, 3), (3, 0), (1, 0), (2, 1), (3, 2), (0, 3)]
@@ -36,6 +36,9 @@ def body_groups(seed: int):
         "rounds": len(plan.rounds),
         "mine": sorted({ch for ch, _ in cg.groups}),
         "p2p": p2p,
+        # [Note: subgroups wait as long as the world]: every channel group's timeout.
+        "timeouts": sorted({str(subgroup_timeout(g)) for g in cg.groups.values()}),
+        "world_timeout": str(subgroup_timeout()),
     }
 
 

@@ -31,3 +31,5 @@ def test_groups_world4_same_order_every_rank_and_preconnected():
         assert r["mine"] == sorted(ch for ch in LOOP4 if rank in ch)
         # exactly one preconnect message per channel this rank is on
         assert len(r["p2p"]) == len(r["mine"])
+        # The world's 60 s, not torch's 30 minutes for a group made without a timeout.
+        assert r["world_timeout"] == "0:01:00" and r["timeouts"] == ["0:01:00"], r

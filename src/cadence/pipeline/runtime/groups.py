@@ -67,7 +67,7 @@ from cadence.comm import Comm, EventLog
 from cadence.pipeline.runtime.errors import PlanMismatchError
 from cadence.pipeline.schedule.channels import ChannelPlan, describe_plan_difference
 from cadence.pipeline.schedule.ir import Payload
-from cadence.topology import can_split
+from cadence.topology import can_split, subgroup_timeout
 
 __all__ = ["ChannelGroups", "ChannelMode", "PlanMismatchError", "build_channel_groups"]
 
@@ -324,6 +324,7 @@ def _create(
                 out[(pair, payload)] = pick(pair, payload)
 
     split = can_split()
+    timeout = subgroup_timeout()  # see [Note: subgroups wait as long as the world]
     if plan.mode == "shared":
         # One communicator for everything: the pp group itself (a baseline to compare).
         group = pp_group if pp_group is not None else dist.group.WORLD
@@ -339,7 +340,9 @@ def _create(
             # The pp groups are disjoint, so one split per direction covers them all.
             for name, payload in _DIRECTIONS:
                 child = dist.split_group(
-                    split_ranks=[sorted(pp) for pp in pp_groups], group_desc=f"cadence_pp_{name}"
+                    split_ranks=[sorted(pp) for pp in pp_groups],
+                    group_desc=f"cadence_pp_{name}",
+                    timeout=timeout,
                 )
                 if child is not None:
                     # split_group gives the ranks of a split a ProcessGroup (the others
@@ -348,7 +351,7 @@ def _create(
         else:
             for pp in pp_groups:
                 for _, payload in _DIRECTIONS:
-                    made = dist.new_group(ranks=sorted(pp))
+                    made = dist.new_group(ranks=sorted(pp), timeout=timeout)
                     if me in pp:
                         # new_group gives its members a ProcessGroup (the others
                         # NON_GROUP_MEMBER, which torch's annotation adds).
@@ -360,7 +363,9 @@ def _create(
     if split:
         for i, rnd in enumerate(plan.rounds):
             pairs = [sorted((pp[a], pp[b])) for pp in pp_groups for a, b in rnd]
-            child = dist.split_group(split_ranks=pairs, group_desc=f"cadence_pp_round_{i}")
+            child = dist.split_group(
+                split_ranks=pairs, group_desc=f"cadence_pp_round_{i}", timeout=timeout
+            )
             if child is None or me not in {r for pair in pairs for r in pair}:
                 continue  # not in this round (torch 2.13 gives None, 2.15 NON_GROUP_MEMBER)
             for pp in pp_groups:
@@ -374,7 +379,7 @@ def _create(
             for rnd in plan.rounds:
                 for a, b in rnd:
                     pair = (pp[a], pp[b])
-                    made = dist.new_group(ranks=sorted(pair))
+                    made = dist.new_group(ranks=sorted(pair), timeout=timeout)
                     if me in pair:
                         # A ProcessGroup on its members (see above).
                         by_pair[pair] = cast(dist.ProcessGroup, made)

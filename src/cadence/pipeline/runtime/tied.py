@@ -31,6 +31,7 @@ from torch import nn
 
 from cadence.comm import Comm, EventLog
 from cadence.pipeline.runtime.errors import PipelineUsageError
+from cadence.topology import subgroup_timeout
 
 __all__ = ["TieSpec", "Tied", "TiedParameters", "Ties", "check_ties", "find_tied", "resolve_ties"]
 
@@ -122,7 +123,7 @@ class TiedParameters:
             group: dist.ProcessGroup | None = None
             for pp in all_pp_groups if len(holders) > 1 else ():
                 ranks = [pp[r] for r in holders]
-                g = dist.new_group(ranks=ranks)
+                g = dist.new_group(ranks=ranks, timeout=subgroup_timeout())
                 if me in ranks:
                     # new_group gives its members a ProcessGroup (the others
                     # NON_GROUP_MEMBER, which torch's annotation adds).
