@@ -33,7 +33,6 @@ _LAZY = {
     "GradientTiming": "cadence._grad_timing.timing:GradientTiming",
     "MixedPrecisionPolicy": "cadence.fsdp:MixedPrecisionPolicy",
     "ParallelGroups": "cadence.topology:ParallelGroups",
-    "PipelineStage": "cadence.pipeline:PipelineStage",
     "ReductionHandle": "cadence.comm:ReductionHandle",
     "Schedule": "cadence.pipeline:Schedule",
     "Topology": "cadence.topology:Topology",
@@ -64,7 +63,7 @@ if TYPE_CHECKING:  # static tools see the eager imports
     )
     from cadence.data_parallel import DataParallel
     from cadence.fsdp import FullyShardedModule, MixedPrecisionPolicy, fully_shard
-    from cadence.pipeline import PipelineStage, Schedule, build_pipeline
+    from cadence.pipeline import Schedule, build_pipeline
     from cadence.precompiling import precompile
     from cadence.topology import ParallelGroups, Topology
 
@@ -79,7 +78,6 @@ __all__ = [
     "LaunchError",
     "MixedPrecisionPolicy",
     "ParallelGroups",
-    "PipelineStage",
     "ReductionHandle",
     "Schedule",
     "Topology",

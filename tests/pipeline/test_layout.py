@@ -29,7 +29,7 @@ SHORT = {
     "Action",
     "ActionKind",
     "PipelineRuntime",
-    "PipelineStage",
+    "Stage",
     "Schedule",
     "ScheduleValidationError",
     "build_pipeline",

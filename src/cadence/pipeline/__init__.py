@@ -5,7 +5,7 @@ Two layers, and the arrow between them points one way:
 - `cadence.pipeline.schedule`: the IR (`Action`, `Schedule`), generators, lowering
   passes, channels and their digest, the simulator (`verify`), pictures and the
   ``cadence schedule show`` logic. No process group, no torch.
-- `cadence.pipeline.runtime`: `PipelineStage`, the executor (`PipelineRuntime`),
+- `cadence.pipeline.runtime`: `Stage`, the executor (`PipelineRuntime`),
   channel groups, gradient sync of data-parallel stages, microbatching and
   `build_pipeline`. It imports the schedule layer, never the reverse.
 
@@ -33,7 +33,7 @@ _LAZY = {
     "simulate": f"{_S}.sim:simulate",
     "verify": f"{_S}.sim:verify",
     "channel_plan": f"{_S}.channels:channel_plan",
-    "PipelineStage": f"{_R}.stage:PipelineStage",
+    "Stage": f"{_R}.stage:Stage",
     "PipelineRuntime": f"{_R}.executor:PipelineRuntime",
     "build_pipeline": f"{_R}.build:build_pipeline",
     "schedule": _S,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from cadence.pipeline import schedule as schedule
     from cadence.pipeline.runtime.build import build_pipeline
     from cadence.pipeline.runtime.executor import PipelineRuntime
-    from cadence.pipeline.runtime.stage import PipelineStage
+    from cadence.pipeline.runtime.stage import Stage
     from cadence.pipeline.schedule._errors import ScheduleValidationError
     from cadence.pipeline.schedule.channels import channel_plan
     from cadence.pipeline.schedule.generators import generate
@@ -59,9 +59,9 @@ __all__ = [
     "Action",
     "ActionKind",
     "PipelineRuntime",
-    "PipelineStage",
     "Schedule",
     "ScheduleValidationError",
+    "Stage",
     "build_pipeline",
     "channel_plan",
     "generate",

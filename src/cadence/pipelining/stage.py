@@ -1,6 +1,6 @@
 """``PipelineStage`` with torch's signature, and torch's own stages taken as cadence's.
 
-A `PipelineStage` here *is* a cadence runtime stage (`cadence.pipeline.runtime.PipelineStage`)
+A `PipelineStage` here *is* a cadence runtime stage (`cadence.pipeline.Stage`)
 built from torch's constructor arguments, so the schedules hand it to `PipelineRuntime`
 unchanged. It also keeps what torch's schedules return and cadence's runtime does
 not: each last-stage output as the module returned it, graph included (torch's
@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining.stage import _PipelineStage, _PipelineStageBase
 
 from cadence.pipeline.runtime.errors import PipelineUsageError
-from cadence.pipeline.runtime.stage import PipelineStage as RuntimeStage
+from cadence.pipeline.runtime.stage import Stage as RuntimeStage
 from cadence.pipeline.runtime.stage import TensorMeta
 
 __all__ = ["PipelineStage", "as_stage"]

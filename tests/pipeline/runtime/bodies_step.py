@@ -14,8 +14,8 @@ from cadence.models import GPTConfig, MarkovTokens, TinyGPT
 from cadence.pipeline.runtime import (
     PipelineRuntime,
     PipelineRuntimeError,
-    PipelineStage,
     PlanMismatchError,
+    Stage,
     TensorMeta,
     build_pipeline,
 )
@@ -126,7 +126,7 @@ def diverge() -> str:
     chunks = _model(4).split_stages(4)
     low = lower(generate("interleaved", 2, 2, 2))  # places stages {0, 2} and {1, 3}
     wrong = [2, 3] if rank == 1 else [0, 2]  # rank 1 builds V-style stages
-    stages = [PipelineStage(chunks[s], s, 4) for s in wrong]
+    stages = [Stage(chunks[s], s, 4) for s in wrong]
     try:
         PipelineRuntime(low, stages, loss_fn=TinyGPT.loss)
     except PlanMismatchError as e:
@@ -144,7 +144,7 @@ def misuse() -> dict[str, str]:
         kw.setdefault("loss_fn", TinyGPT.loss)
         return lambda: build_pipeline(schedule, chunks, **kw)
 
-    mine = [PipelineStage(chunks[s], s, 2 * p) for s in low.stages_of(dist.get_rank())]
+    mine = [Stage(chunks[s], s, 2 * p) for s in low.stages_of(dist.get_rank())]
     return {
         "no_m": _error(build("interleaved", chunks=2)),
         "m_mismatch": _error(build(low, n_microbatches=3)),
@@ -178,8 +178,8 @@ def error_report() -> tuple[str, int, str]:
     """A one-rank pipeline (each rank its own) whose second stage has wrong metadata."""
     pg = cadence.init(cadence.Topology(dp_replicate=dist.get_world_size()))
     stages = [
-        PipelineStage(_mlp(0), 0, 2, output_meta=TensorMeta((2, 8), torch.float32)),
-        PipelineStage(
+        Stage(_mlp(0), 0, 2, output_meta=TensorMeta((2, 8), torch.float32)),
+        Stage(
             _mlp(1),
             1,
             2,

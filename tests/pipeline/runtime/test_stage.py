@@ -9,9 +9,9 @@ from torch import nn
 from cadence.errors import CadenceError
 from cadence.pipeline.runtime import (
     LossPolicy,
-    PipelineStage,
     PipelineStateError,
     PipelineUsageError,
+    Stage,
     StageShapeError,
     TensorMeta,
     merge_microbatches,
@@ -30,8 +30,8 @@ def test_split_backward_equals_full_backward(first):
     x = torch.randn(4, 8)
     g = torch.randn(4, 8)
     full, split = _mlp(0), _mlp(0)
-    a = PipelineStage(full, 0 if first else 1, 3)
-    b = PipelineStage(split, 0 if first else 1, 3)
+    a = Stage(full, 0 if first else 1, 3)
+    b = Stage(split, 0 if first else 1, 3)
     a.forward(0, (x,))
     b.forward(0, (x,))
     da = a.backward(0, (g,))
@@ -44,7 +44,7 @@ def test_split_backward_equals_full_backward(first):
 
 
 def test_stage_state_errors():
-    st = PipelineStage(_mlp(0), 1, 2)
+    st = Stage(_mlp(0), 1, 2)
     with pytest.raises(PipelineStateError, match="W without a preceding I"):
         st.backward_weight(3)
     with pytest.raises(PipelineStateError, match="backward without a forward"):
@@ -52,9 +52,9 @@ def test_stage_state_errors():
     with pytest.raises(PipelineStateError, match="input metadata is not known yet"):
         st.input_buffers()
     with pytest.raises(PipelineUsageError, match=r"stage_index=2 must be in \[0, num_stages=2\)"):
-        PipelineStage(_mlp(0), 2, 2)
+        Stage(_mlp(0), 2, 2)
     with pytest.raises(TypeError, match="must return a tensor or a tuple of tensors, got dict"):
-        PipelineStage(_ReturnsDict(), 0, 2).infer_output_meta((torch.zeros(1),))
+        Stage(_ReturnsDict(), 0, 2).infer_output_meta((torch.zeros(1),))
 
 
 class _ReturnsDict(nn.Module):
@@ -63,10 +63,10 @@ class _ReturnsDict(nn.Module):
 
 
 def test_shape_checks_on_entry_and_exit():
-    st = PipelineStage(_mlp(0), 1, 3, input_meta=TensorMeta((4, 8), torch.float32))
+    st = Stage(_mlp(0), 1, 3, input_meta=TensorMeta((4, 8), torch.float32))
     with pytest.raises(StageShapeError, match=r"got shape \(3, 8\).*expects shape \(4, 8\)"):
         st.forward(0, (torch.randn(3, 8),), how="received")
-    st = PipelineStage(_mlp(0), 1, 3, output_meta=TensorMeta((4, 9), torch.float32))
+    st = Stage(_mlp(0), 1, 3, output_meta=TensorMeta((4, 9), torch.float32))
     with pytest.raises(StageShapeError, match="output 0"):
         st.forward(0, (torch.randn(4, 8),))
 
@@ -134,7 +134,7 @@ def test_split_backward_fires_each_parameter_hook_once_in_w(make):
         p.register_post_accumulate_grad_hook(
             lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1)
         )
-    a, b = PipelineStage(full, 1, 3), PipelineStage(split, 1, 3)
+    a, b = Stage(full, 1, 3), Stage(split, 1, 3)
     outs = a.forward(0, (x,))
     b.forward(0, (x,))
     gs = tuple(torch.randn_like(o) for o in outs)
@@ -171,7 +171,7 @@ class _DrawsRandomNumbers(nn.Module):
 def test_shape_inference_leaves_the_random_generators_as_it_found_them():
     # See [Note: shape inference draws no random numbers]: every later step must draw
     # the masks the same model draws under torch's pipelining, which infers on meta.
-    stage = PipelineStage(_DrawsRandomNumbers(), 1, 2)
+    stage = Stage(_DrawsRandomNumbers(), 1, 2)
     torch.manual_seed(0)
     before = torch.get_rng_state()
     assert stage.infer_output_meta((torch.zeros(4, 8),)) == (TensorMeta((4, 8), torch.float32),)

@@ -5,7 +5,7 @@ Modules (each importing only those before it, and the schedule layer):
 
 - ``errors``: `PipelineUsageError`, `PipelineStateError`, `PlanMismatchError`,
   `StageShapeError`, `PipelineRuntimeError`.
-- ``stage``: `PipelineStage` (F, B, I, W of one module chunk; shape checks).
+- ``stage``: `Stage` (F, B, I, W of one module chunk; shape checks).
 - ``split_backward``: the I/W split of one microbatch's backward.
 - ``microbatch``: `split_microbatches`, `merge_microbatches`, `LossPolicy`.
 - ``metadata``: every rank agrees on the stages' tensor metadata.
@@ -31,17 +31,17 @@ from cadence.pipeline.runtime.executor import PipelineRuntime
 from cadence.pipeline.runtime.grad_sync import StageGradSync
 from cadence.pipeline.runtime.groups import ChannelGroups, build_channel_groups
 from cadence.pipeline.runtime.microbatch import LossPolicy, merge_microbatches, split_microbatches
-from cadence.pipeline.runtime.stage import PipelineStage, TensorMeta
+from cadence.pipeline.runtime.stage import Stage, TensorMeta
 
 __all__ = [
     "ChannelGroups",
     "LossPolicy",
     "PipelineRuntime",
     "PipelineRuntimeError",
-    "PipelineStage",
     "PipelineStateError",
     "PipelineUsageError",
     "PlanMismatchError",
+    "Stage",
     "StageGradSync",
     "StageShapeError",
     "TensorMeta",

@@ -28,7 +28,7 @@ from cadence.comm import EventLog
 from cadence.pipeline.runtime.errors import PipelineUsageError
 from cadence.pipeline.runtime.executor import PipelineRuntime
 from cadence.pipeline.runtime.groups import ChannelMode
-from cadence.pipeline.runtime.stage import PipelineStage, TensorMeta
+from cadence.pipeline.runtime.stage import Stage, TensorMeta
 from cadence.pipeline.schedule.generators import (
     canonical_name,
     generate,
@@ -105,9 +105,7 @@ def build_pipeline(
     modules = _local_modules(stage_modules, mine, low.num_stages, pp)
     _check_input_meta(input_meta, low.num_stages)
     stages = [
-        PipelineStage(
-            modules[s], s, low.num_stages, device=dev, input_meta=(input_meta or {}).get(s)
-        )
+        Stage(modules[s], s, low.num_stages, device=dev, input_meta=(input_meta or {}).get(s))
         for s in mine
     ]
     return PipelineRuntime(

@@ -63,7 +63,7 @@ from cadence.pipeline.runtime.microbatch import (
     merge_microbatches,
     split_microbatches,
 )
-from cadence.pipeline.runtime.stage import PipelineStage
+from cadence.pipeline.runtime.stage import Stage
 from cadence.pipeline.runtime.tied import Tied, TiedParameters, Ties, TieSpec, resolve_ties
 from cadence.pipeline.schedule.channels import CHANNEL_MODES, channel_plan
 from cadence.pipeline.schedule.ir import Action, ActionKind, Payload, Schedule
@@ -89,7 +89,7 @@ class PipelineRuntime:
 
     Args:
         schedule: the lowered schedule of *every* rank (the plan is global).
-        stages: this rank's `PipelineStage` objects, exactly the stages the
+        stages: this rank's `Stage` objects, exactly the stages the
             schedule's placement gives this rank.
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage.
         groups: ``cadence.init(...)``'s result; its pp group is the pipeline.
@@ -122,7 +122,7 @@ class PipelineRuntime:
     def __init__(
         self,
         schedule: Schedule,
-        stages: Sequence[PipelineStage],
+        stages: Sequence[Stage],
         *,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         groups: ParallelGroups | None = None,

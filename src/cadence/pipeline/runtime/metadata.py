@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from cadence.comm import Comm
-from cadence.pipeline.runtime.stage import PipelineStage, TensorMeta
+from cadence.pipeline.runtime.stage import Stage, TensorMeta
 
 __all__ = ["agree_metadata"]
 
 
 def agree_metadata(
-    stages: Mapping[int, PipelineStage],
+    stages: Mapping[int, Stage],
     placement: Sequence[int],
     pp_rank: int,
     pp_comm: Comm,
@@ -50,7 +50,7 @@ def agree_metadata(
             nxt.input_meta = tuple(meta)
 
 
-def _infer_stage(stage: PipelineStage, mb0: Sequence[Any]) -> tuple[TensorMeta, ...]:
+def _infer_stage(stage: Stage, mb0: Sequence[Any]) -> tuple[TensorMeta, ...]:
     if stage.is_first:
         inputs = tuple(mb0)
         if all(isinstance(t, torch.Tensor) for t in inputs):

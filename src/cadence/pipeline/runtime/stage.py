@@ -39,7 +39,7 @@ from cadence.pipeline.runtime.errors import (
 )
 from cadence.pipeline.runtime.split_backward import SplitBackward, backward_input
 
-__all__ = ["PipelineStage", "StageShapeError", "TensorMeta"]
+__all__ = ["Stage", "StageShapeError", "TensorMeta"]
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,13 @@ def _as_metas(meta: TensorMeta | Sequence[TensorMeta] | None) -> Metas | None:
     return tuple(meta)
 
 
-class PipelineStage:
+class Stage:
     """A module chunk at position ``stage_index`` of ``num_stages``.
+
+    cadence's one stage class. `cadence.pipelining.PipelineStage` is this class with
+    torch's constructor (a subclass, for an import swap from
+    ``torch.distributed.pipelining``); `cadence.pipeline.build_pipeline` builds these
+    from a model and a schedule, so most code never constructs one.
 
     Args:
         module: this stage's chunk (any ``nn.Module``, possibly wrapped in a
@@ -142,7 +147,7 @@ class PipelineStage:
         return self.stage_index == self.num_stages - 1
 
     def __repr__(self) -> str:
-        return f"PipelineStage({self.stage_index}/{self.num_stages}, {type(self.module).__name__})"
+        return f"Stage({self.stage_index}/{self.num_stages}, {type(self.module).__name__})"
 
     # -- metadata ---------------------------------------------------------------
 
