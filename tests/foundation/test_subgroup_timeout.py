@@ -18,7 +18,7 @@ from typing import Any
 from cadence.launch import launch
 
 TIMEOUT_S = 3.0
-SILENT_S = 15.0  # how long the silent rank stays away: far above the timeout
+SILENT_S = 8.0  # how long the silent rank stays away: well above the timeout
 
 
 def _body() -> dict[str, Any]:
