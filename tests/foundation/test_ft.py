@@ -1,6 +1,7 @@
 """`cadence.ft`: cadence.DataParallel keeps training without a lost replica, under torchft.
 
-Specification (torchft 0.2.0, the ``ft`` extra; skipped where it is not installed):
+Specification (torchft 0.2.0, the ``ft`` extra, which the dev install brings, so CI runs
+it on both torch lanes; skipped, with the reason, where it is not installed):
 - an in-process lighthouse (127.0.0.1) and three replica groups of one rank each
   (subprocesses, gloo on CPU, a tiny model, Adam) train with a quorum per step and at
   least two replicas per step;
