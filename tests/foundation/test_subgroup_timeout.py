@@ -38,14 +38,12 @@ def _body() -> dict[str, Any]:
     if rank == 3:
         time.sleep(SILENT_S)  # never joins its shard group's all-reduce
         return out
-    t0 = time.monotonic()
     try:
         if rank == 2:  # rank 3's shard peer: waits for it
             dist.all_reduce(torch.ones(4), group=pg.dp_shard)
         out["raised"] = None
     except RuntimeError as exc:  # torch's DistBackendError
         out["raised"] = str(exc).splitlines()[0]
-    out["waited_s"] = time.monotonic() - t0
     return out
 
 
@@ -57,6 +55,7 @@ def test_a_shard_group_times_out_with_the_world() -> None:
         assert r["made"] == {"dp_shard": want, "dp_replicate": want, "dp": want}, r
     blocked = results[2]
     assert blocked["raised"] is not None, "rank 2's all-reduce without its peer did not fail"
-    assert "timed out" in blocked["raised"].lower() or "timeout" in blocked["raised"].lower()
-    # torch's default would be 30 minutes; the launch's own 120 s would fail the test first.
-    assert blocked["waited_s"] < SILENT_S, blocked
+    # A timeout, not the peer's exit: under torch's default of 30 minutes rank 2 would
+    # still be waiting when rank 3 leaves, and gloo would report the closed connection.
+    raised = blocked["raised"].lower()
+    assert "timed out" in raised or "timeout" in raised, blocked
