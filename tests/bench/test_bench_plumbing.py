@@ -425,3 +425,19 @@ def test_a_case_on_a_link_carries_four_times_the_batch() -> None:
             k: v for k, v in spec.items() if k not in ("batch", "what")
         }, name
         assert moved["what"].endswith("(batch x4 on a link)"), moved["what"]
+
+
+def test_timed_row_pairs_and_noise() -> None:
+    """The ratio pairs repetitions; the A/A figure compares the named twin; no twin, no A/A."""
+    from cadence.bench._record import timed_row
+
+    times = {"mine": [1.0, 3.0], "ref": [2.0, 2.0], "twin": [4.0, 1.0], "ref_b": [2.0, 4.0]}
+    row = timed_row("c", times, mine="mine", ref="ref", ref_b="ref_b", target=0.9)
+    assert (row["ratio"]["min"], row["ratio"]["max"]) == (0.5, 1.5)
+    assert (row["aa"]["min"], row["aa"]["max"]) == (0.5, 1.0)  # ref / ref_b
+    assert row["abs_ms"]["mine"] == 2000.0 and row["target"] == 0.9
+    twin = timed_row("c", times, mine="mine", ref="ref", ref_b="twin", aa_of="ref_b", target=None)
+    assert (twin["aa"]["min"], twin["aa"]["max"]) == (0.5, 4.0)  # ref_b / twin, not ref / twin
+    alone = timed_row("c", times, mine="mine", ref="ref", ref_b=None, target=None,
+                      abs_name="abs_mib", absolute=max)  # fmt: skip
+    assert alone["aa"] is None and alone["abs_mib"]["twin"] == 4.0 and "abs_ms" not in alone

@@ -14,12 +14,11 @@ the gain it is for needs NCCL.
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
 from cadence.bench._loop import launch_ranks, loadavg
-from cadence.bench._record import make_record, paired_ratios, ratio_summary
+from cadence.bench._record import make_record, timed_row
 
 __all__ = ["SCHEDULES", "rank_body", "run"]
 
@@ -108,15 +107,15 @@ def run(
     per_rank = launch_ranks(this.rank_body, spec, warmup, reps, world=world, timeout=1800,
                             backend="gloo")  # fmt: skip
     rows = [
-        {
-            "case": r["case"],
-            "metric": "step time",
-            "ratio": ratio_summary(paired_ratios(r["times"]["batched"], r["times"]["single"])),
-            "aa": None,
-            "target": None,
-            "abs_ms": {k: 1e3 * statistics.median(t) for k, t in r["times"].items()},
-            "extra": {"posts_single": r["posts_single"], "posts_batched": r["posts_batched"]},
-        }
+        timed_row(
+            r["case"],
+            r["times"],
+            mine="batched",
+            ref="single",
+            ref_b=None,
+            target=None,
+            extra={"posts_single": r["posts_single"], "posts_batched": r["posts_batched"]},
+        )
         for r in per_rank[0]  # every step ends with a barrier: rank 0's clock is the pipeline's
     ]
     record = make_record(

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cadence.bench._loop import launch_ranks, loadavg
-from cadence.bench._record import make_record, paired_ratios, ratio_summary
+from cadence.bench._record import make_record, timed_row
 
 __all__ = ["SCHEDULES", "rank_body", "run", "sim_bubble", "theory_bubble"]
 
@@ -172,18 +172,11 @@ def _rows(per_rank: list[dict[str, Any]], spec: dict[str, Any], world: int) -> l
         extra["bubble_sim"] = sim_bubble(name, world, m, v)
         extra["bubble_theory"] = theory_bubble(name, world, m, v)
         rows.append(
-            {
-                "case": f"world {world} {case}",
-                "what": f"TinyGPT d_model {spec['width']}, {spec['layers']} layers, "
-                f"batch {spec['batch']} x {spec['seq']}, {m} microbatches",
-                "metric": "step time",
-                "ratio": ratio_summary(paired_ratios(times["cadence"], times["torch"])),
-                "aa": None,
-                "target": None,
-                "abs_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
-                "extra": extra,
-            }
-        )
+            timed_row(f"world {world} {case}", times, mine="cadence", ref="torch", ref_b=None,
+                      target=None, extra=extra,
+                      what=f"TinyGPT d_model {spec['width']}, {spec['layers']} layers, "
+                      f"batch {spec['batch']} x {spec['seq']}, {m} microbatches")
+        )  # fmt: skip
     return rows
 
 

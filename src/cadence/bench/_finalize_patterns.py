@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cadence.bench._loop import interleave, launch_ranks, loadavg, slowest_per_rep
-from cadence.bench._record import make_record, paired_ratios, ratio_summary, timed_row
+from cadence.bench._record import make_record, timed_row
 
 __all__ = ["rank_body", "run"]
 
@@ -201,21 +201,12 @@ def _rows(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "blocked_in_wait_manual": _blocked(tasks, "manual", compute),
         **{f"cores_busy_{k}": _cores_busy(tasks, k) for k in ("auto", "manual", "torch")},
     }
-    aa = ratio_summary(paired_ratios(task["torch"], task["torch_b"]))
     for ref, what in (("auto", "manual (task, then finalize) / auto (wait, then task)"),
                       ("torch", "manual (task, then finalize) / DDP (wait, then task)")):  # fmt: skip
         rows.append(
-            {
-                "case": f"pattern (a) vs {ref}",
-                "what": what,
-                "metric": "step time",
-                "ratio": ratio_summary(paired_ratios(task["manual"], task[ref])),
-                "aa": aa,
-                "target": None,
-                "abs_ms": {k: 1e3 * statistics.median(v) for k, v in task.items()},
-                "extra": extra,
-            }
-        )
+            timed_row(f"pattern (a) vs {ref}", task, mine="manual", ref=ref, ref_b="torch_b",
+                      aa_of="torch", target=None, what=what, extra=extra)
+        )  # fmt: skip
     return rows
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cadence.bench._loop import interleave, launch_ranks, loadavg, slowest_per_rep
-from cadence.bench._record import make_record, paired_ratios, ratio_summary, timed_row
+from cadence.bench._record import make_record, paired_ratios, timed_row
 from cadence.bench.fsdp import MEMORY_TARGET, TIME_TARGET
 
 __all__ = ["rank_body", "run"]
@@ -101,19 +101,11 @@ def run(
     rows = [
         timed_row(shape, step, mine="cadence", ref="torch", ref_b="torch_b",
                   target=TIME_TARGET, what=what),
-        {
-            "case": shape,
-            "metric": "peak memory (MemTracker)",
-            "ratio": ratio_summary(paired_ratios(peaks["cadence"], peaks["torch"])),
-            "aa": ratio_summary(paired_ratios(peaks["torch"], peaks["torch_b"])),
-            "target": MEMORY_TARGET,
-            "abs_mib": {k: max(v) / 2**20 for k, v in peaks.items()},
-            "extra": {
-                "cadence_over_data_parallel": statistics.median(
-                    paired_ratios(peaks["cadence"], peaks["data_parallel"])
-                )
-            },
-        },
+        timed_row(shape, peaks, mine="cadence", ref="torch", ref_b="torch_b",
+                  target=MEMORY_TARGET, metric="peak memory (MemTracker)",
+                  abs_name="abs_mib", absolute=lambda v: max(v) / 2**20,
+                  extra={"cadence_over_data_parallel": statistics.median(
+                      paired_ratios(peaks["cadence"], peaks["data_parallel"]))}),
     ]  # fmt: skip
     return make_record(
         "fsdp-memtracker",

@@ -19,7 +19,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "make_record",
     "paired_ratios",
     "ratio_summary",
+    "timed_row",
     "write_chart",
     "write_record",
 ]
@@ -88,30 +89,43 @@ def paired_ratios(a: Sequence[float], b: Sequence[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
+def _median_ms(seconds: list[float]) -> float:
+    return 1e3 * statistics.median(seconds)
+
+
 def timed_row(
     case: str,
     times: dict[str, list[float]],
     *,
     mine: str,
     ref: str,
-    ref_b: str,
+    ref_b: str | None,
     target: float | None,
     metric: str = "step time",
     what: str | None = None,
     extra: dict[str, Any] | None = None,
+    aa_of: str | None = None,
+    abs_name: str = "abs_ms",
+    absolute: Callable[[list[float]], float] = _median_ms,
 ) -> dict[str, Any]:
-    """One timing row: ``mine`` / ``ref`` per repetition, and ``ref`` / ``ref_b`` (A/A);
-    ``abs_ms`` holds every variant's median."""
+    """One row: ``mine`` / ``ref`` per repetition, and the A/A noise ``aa_of`` / ``ref_b``
+    (``aa_of`` defaults to ``ref``; a question that compares against a variant with no
+    identical twin names the twin's original here). ``ref_b=None`` records ``aa: None``:
+    the question has no second copy to measure noise with. ``abs_name`` holds every
+    variant's absolute figure (median milliseconds unless ``absolute`` says otherwise)."""
     row: dict[str, Any] = {"case": case}
     if what is not None:
         row["what"] = what
+    aa = None
+    if ref_b is not None:
+        aa = ratio_summary(paired_ratios(times[aa_of or ref], times[ref_b]))
     row.update(
         {
             "metric": metric,
             "ratio": ratio_summary(paired_ratios(times[mine], times[ref])),
-            "aa": ratio_summary(paired_ratios(times[ref], times[ref_b])),
+            "aa": aa,
             "target": target,
-            "abs_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+            abs_name: {k: absolute(v) for k, v in times.items()},
         }
     )
     if extra is not None:
