@@ -358,6 +358,77 @@ def torch_ddp_comm_hook_runs_unchanged() -> None:
     assert diff < 1e-6, f"grads differ from the reference by {diff:.3e}"
 
 
+def held_buckets_launch_at_finalize_after_the_callers_collective() -> None:
+    """hold_last_buckets(2): backward launches all but the last two; a collective the
+    caller issues in between goes first; finalize launches the two; the gradients are
+    the unheld run's, bit for bit, and the reference's."""
+    model = make_mlp()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world)
+    xl, yl = local(x, rank, world), local(y, rank, world)
+    ref = copy.deepcopy(model)
+    F.mse_loss(ref(x), y).backward()
+    runs = {}
+    for held in (0, 2):
+        log = cadence.EventLog()
+        dp = cadence.DataParallel(
+            copy.deepcopy(model), bucket_cap_mb=0.001, first_bucket_cap_mb=None, event_log=log
+        )
+        dp.require_manual_backward_finalization = True
+        dp.hold_last_buckets(held)
+        assert dp.held_buckets == held
+        F.mse_loss(dp(xl), yl).backward()
+        assert log.count("all_reduce") == dp.num_buckets - held, (held, log.counts())
+        caller = cadence.Comm(dist.group.WORLD, name="caller", event_log=log)
+        caller.all_reduce(torch.ones(7))  # the caller's own collective
+        dp.finalize_backward()
+        runs[held] = (strip(named_grads(dp)), [e.numel for e in log.collectives("all_reduce")])
+    (g0, sig0), (g2, sig2) = runs[0], runs[2]
+    buckets = sig0[:-1]  # unheld: every bucket in backward, then the caller's 7
+    assert sig0[-1] == 7 and len(buckets) == 4, sig0
+    assert sig2 == [*buckets[:-2], 7, *buckets[-2:]], (sig2, sig0)
+    assert all(torch.equal(g0[k], g2[k]) for k in g0), "held buckets changed the gradients"
+    diff = max_abs_diff(g2, named_grads(ref))
+    assert diff < 1e-6, f"grads differ from the reference by {diff:.3e}"
+    _same_on_every_rank(sig2, "the held step's signature")
+
+
+def hold_every_bucket_leaves_backward_silent() -> None:
+    dp, log, step = _counting()
+    dp.require_manual_backward_finalization = True
+    dp.hold_last_buckets(dp.num_buckets)
+    log.clear()
+    step()
+    assert log.count("all_reduce") == 0, f"backward launched {log.counts()}"
+    handle = dp.finalize_backward(async_op=True)
+    assert log.count("all_reduce") == dp.num_buckets, log.counts()
+    handle.wait()
+    assert dp.state is WindowState.IDLE, dp.state
+
+
+def hold_last_buckets_misuse_is_refused() -> None:
+    dp, _, step = _counting()
+    n = dp.num_buckets
+    assert_raises(lambda: dp.hold_last_buckets(1), "automatic", "require_manual_backward")
+    dp.require_manual_backward_finalization = True
+    for bad in (-1, n + 1, True, 1.0):
+        assert_raises(lambda bad=bad: dp.hold_last_buckets(bad), "0 to num_buckets", repr(bad))
+    dp.hold_last_buckets(1)
+    step()
+    assert_raises(lambda: dp.hold_last_buckets(0), "pending", "finalize_backward()")
+    dp.finalize_backward()
+    assert_raises(
+        lambda: setattr(dp, "require_manual_backward_finalization", False),
+        "held",
+        "hold_last_buckets(0)",
+    )
+    clone = copy.deepcopy(dp)  # the flag travels with a copy, after the manual one
+    assert clone.held_buckets == 1 and clone.require_manual_backward_finalization
+    dp.hold_last_buckets(0)
+    dp.require_manual_backward_finalization = False
+    assert dp.held_buckets == 0
+
+
 ACCUMULATION = ["no_sync", "setter", "deferred", "interleaved", "fwd_outside_bwd_inside"]
 
 SCENARIOS = [
@@ -377,5 +448,10 @@ SCENARIOS = [
         parameters_and_buffers_broadcast_from_rank0,
     ),
     *cases(wire_dtype_or_comm_hook, "wire", list(WIRES)),
-    *scenarios(torch_ddp_comm_hook_runs_unchanged),
+    *scenarios(
+        torch_ddp_comm_hook_runs_unchanged,
+        held_buckets_launch_at_finalize_after_the_callers_collective,
+        hold_every_bucket_leaves_backward_silent,
+        hold_last_buckets_misuse_is_refused,
+    ),
 ]

@@ -7,7 +7,7 @@ parameter and an event log: nothing of that is data. torch DDP pickles its
 both on the default process group; a script that saves the wrapped model or deep
 copies it relies on that. Here the pickled state is what the constructor needs: the
 wrapped module, the constructor's arguments and the flags a user may have set since
-(manual finalization, gradient sync, buffer broadcast). Unpickling calls the
+(manual finalization, held buckets, gradient sync, buffer broadcast). Unpickling calls the
 constructor again with ``init_sync=False``, so it issues no collective, exactly as
 DDP's rebuild issues none, and may run on one rank alone (``torch.load`` on rank 0).
 
@@ -28,6 +28,7 @@ __all__ = ["FLAGS", "check_picklable", "pickled_state"]
 # Flags a user may set after construction, with the attribute that holds each.
 FLAGS = (
     "require_manual_backward_finalization",
+    "held_buckets",  # after the manual flag, which it requires
     "require_backward_grad_sync",
     "require_forward_param_sync",
     "broadcast_buffers",

@@ -163,6 +163,9 @@ class Reducer:
         self.last_token: ForwardToken | None = None
         self.manual = False
         self.require_sync = True
+        # How many of the last buckets (in launch order) backward leaves for
+        # finalize_backward to launch (see [Note: held buckets]).
+        self.held = 0
         # See [Note: gradients appear at finalization] in cadence/_grad_timing/pending_grad.py.
         self.grad_guard = GradGuard("DataParallel")
         self.split_part: str | None = (
@@ -357,11 +360,25 @@ class Reducer:
         w.pending[self.param_bucket[index]] -= 1
 
     def _launch_ready(self) -> None:
+        """Launch, in order, every bucket whose gradients are all ready.
+
+        [Note: held buckets]
+        ``held`` (``DataParallel.hold_last_buckets``) stops backward before the last
+        ``held`` buckets: they launch when the caller finalizes. Between the end of
+        backward and ``finalize_backward()``, a collective the caller launches (the
+        sparse exchange of an embedding outside the wrapper, say) has the wire to itself
+        but for the buckets already in flight, so it lands first and its own work (the
+        sparse step) can run while the held buckets fly. Without the hold, every bucket
+        is queued on the wire before backward returns, and the caller's collective,
+        which can only start after backward, shares the wire to the end and finishes
+        last. Only the launch time moves: the buckets, their bytes and the values are
+        the same.
+        """
         w = self.window
         assert w is not None
         buckets = self.buckets
         while (
-            w.next_bucket < len(buckets)
+            w.next_bucket < len(buckets) - self.held
             and w.pending[w.next_bucket] <= 0
             and not buckets[w.next_bucket].delayed  # launched by _flush, when backward ends
         ):
@@ -518,6 +535,7 @@ class Reducer:
             last = len(self.buckets) - 1
             if (
                 self.buckets[last].delayed
+                and not self.held  # held, the delayed bucket waits for finalize too
                 and w.next_bucket == last
                 and w.pending[last] <= 0
                 and not w.learning
@@ -586,7 +604,11 @@ class Reducer:
             )
         w = self.window
         if w is not None and w.sync:
-            if in_bwd and (w.learning or w.next_bucket < len(self.buckets)):
+            unlaunched = w.next_bucket < len(self.buckets) - self.held or any(
+                n > 0
+                for n in w.pending[w.next_bucket :]  # a held bucket still owes
+            )
+            if in_bwd and (w.learning or unlaunched):
                 raise DataParallelError(
                     f"finalize_backward() was called inside backward, but only {w.next_bucket} "
                     f"of {len(self.buckets)} buckets have launched. Finalize from a hook that "

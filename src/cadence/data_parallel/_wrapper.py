@@ -347,6 +347,11 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
                 "cannot turn manual finalization off while reductions are pending; call "
                 "finalize_backward() first."
             )
+        if not enabled and self._reducer.held:
+            raise DataParallelError(
+                f"cannot turn manual finalization off while {self._reducer.held} bucket(s) "
+                "are held for finalize_backward(); call dp.hold_last_buckets(0) first."
+            )
         self._reducer.manual = bool(enabled)
 
     def set_collective_algorithms(self, algorithms: CollectiveAlgorithms) -> None:
@@ -505,6 +510,46 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
         if async_op and handle is None:
             return ReductionHandle.completed("DataParallel gradients")
         return handle
+
+    def hold_last_buckets(self, n: int) -> None:
+        """Leave the last ``n`` buckets (the ones backward fills last) for
+        `finalize_backward` to launch, instead of launching them in backward.
+
+        For a collective of the caller's own that should have the wire first: launch it
+        after backward, wait for it, and then finalize. It no longer shares the link to
+        the end with every bucket, and whatever follows it (an embedding's sparse step)
+        runs while the held buckets reduce (see [Note: held buckets] in _reducer.py).
+        The gradients, their bytes and their values are unchanged. Manual finalization
+        only: the automatic one launches every bucket when backward ends anyway.
+        ``hold_last_buckets(0)`` releases. Call on every rank, between steps.
+        """
+        refuse_inside_backward("hold_last_buckets()", "backward reads it.", DataParallelError)
+        buckets = len(self._reducer.buckets)
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= buckets:
+            raise DataParallelError(
+                f"hold_last_buckets(n) takes a whole number from 0 to num_buckets "
+                f"({buckets}); got {n!r}."
+            )
+        if n and not self._reducer.manual:
+            raise DataParallelError(
+                "hold_last_buckets() holds buckets for finalize_backward(), but finalization "
+                "is automatic: it launches every bucket when backward ends. Set "
+                "require_manual_backward_finalization = True first."
+            )
+        if self._reducer.pending:
+            raise DataParallelError(
+                "hold_last_buckets() while reductions are pending; call finalize_backward() first."
+            )
+        self._reducer.held = n
+
+    @property
+    def held_buckets(self) -> int:
+        """How many of the last buckets wait for `finalize_backward` (`hold_last_buckets`)."""
+        return self._reducer.held
+
+    @held_buckets.setter
+    def held_buckets(self, n: int) -> None:
+        self.hold_last_buckets(n)
 
     @contextlib.contextmanager
     def split_backward(self, part: str) -> Iterator[None]:
