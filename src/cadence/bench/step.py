@@ -22,10 +22,11 @@ Cases:
   reduce-scatter is waited, later units still reducing); torch is FSDP2 +
   ``opt.step()`` (target <= 0.50).
 - ``recommender``: an ``EmbeddingBag(sparse=True)`` outside the wrapper feeding a dense
-  tower; ``cadence`` finalizes manually: the sparse all-reduce (on a second group) is
-  launched beside the dense buckets in flight, ``finalize_backward`` waits the buckets
-  and steps the dense SGD bucket by bucket (``overlap_optimizer``), then the sparse
-  step, as ``examples/overlap_sparse.py`` with the optimizer stepped per bucket; torch
+  tower; ``cadence`` finalizes manually with its last buckets held
+  (``hold_last_buckets``): backward launches the others; the sparse all-reduce (on a
+  second group) goes on the wire next and is waited, then ``finalize_backward``
+  launches the held buckets, the sparse step runs while they fly, and each bucket's
+  dense SGD is stepped as it lands (``overlap_optimizer``); torch
   runs the sparse half after DDP's backward (target <= 0.80), and torch's best the
   same order as cadence through DDP's own manual finalization, stepping the dense
   optimizer whole.
@@ -126,7 +127,7 @@ CASES: dict[str, dict[str, Any]] = {
     "recommender": {"what": "EmbeddingBag(200000 x 64, sparse) + 6 x Linear(512) tower, "
                             "SGD, batch 256/rank, bags of 16",
                     "kind": "recommender", "vocab": 200_000, "dim": 64, "layers": 6,
-                    "width": 512, "batch": 256, "bag": 16, "target": 0.80},
+                    "width": 512, "batch": 256, "bag": 16, "hold": 3, "target": 0.80},
     "nanogpt_dp": {"what": "nanoGPT-shaped TinyGPT: 6 blocks, width 128, 4 heads, "
                            "vocab 512 (tied), seq 64, 4 microbatches of 2/rank, AdamW",
                    "kind": "nanogpt_dp", "layers": 6, "width": 128, "heads": 4, "vocab": 512,
@@ -149,7 +150,7 @@ TINY: dict[str, dict[str, Any]] = {
     "fsdp_adamw": {"what": "tiny", "kind": "fsdp", "layers": 2, "width": 16, "batch": 4,
                    "target": 0.50},
     "recommender": {"what": "tiny", "kind": "recommender", "vocab": 64, "dim": 4, "layers": 2,
-                    "width": 16, "batch": 4, "bag": 3, "target": 0.80},
+                    "width": 16, "batch": 4, "bag": 3, "hold": 1, "target": 0.80},
     "nanogpt_dp": {"what": "tiny", "kind": "nanogpt_dp", "layers": 2, "width": 16, "heads": 2,
                    "vocab": 32, "seq": 8, "batch": 2, "accum": 4, "target": 1.00},
     "nanogpt_fsdp": {"what": "tiny", "kind": "nanogpt_fsdp", "layers": 2, "width": 16,
@@ -417,6 +418,11 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     # bucket's reduction is waited inside finalize_backward (SGD's arithmetic either
     # way, so parameters stay equal to the other variants').
     towers["cadence"].overlap_optimizer(dense_opts["cadence"])
+    # ... and the sparse exchange has the wire first: the buckets backward fills last
+    # wait for finalize, so the exchange, which can start only when backward reaches
+    # the embedding, is not queued behind every dense byte; the sparse step then runs
+    # while those buckets fly (see [Note: held buckets] in data_parallel/_reducer.py).
+    towers["cadence"].hold_last_buckets(min(spec["hold"], towers["cadence"].num_buckets))
     losses.meta["pieces"] = towers["cadence"].num_buckets
 
     def sparse_half(k: str) -> None:
@@ -427,14 +433,22 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
         sparse_opts[k].step()
 
     def overlapped_half(k: str) -> None:
-        """cadence and torch_best: the sparse exchange flies beside the dense buckets
-        while the dense gradients are finalized (and, for cadence, stepped bucket by
-        bucket), then the sparse step."""
+        """torch_best: the sparse exchange flies beside the dense buckets while the
+        dense gradients are finalized, then the sparse step. cadence: the exchange goes
+        first, then its step while the held buckets fly; each bucket is stepped as it
+        lands."""
         grad = bags[k].weight.grad
         assert grad is not None  # the backward just before wrote it
         work = sparse_comm.all_reduce(grad, op="avg", async_op=True)
+        if k == "cadence":
+            work.wait()
+            handle = towers[k].finalize_backward(async_op=True)  # launches the held ones
+            sparse_opts[k].step()
+            handle.wait()
+            dense_opts[k].step()  # only what the buckets left (nothing)
+            return
         towers[k].finalize_backward()
-        dense_opts[k].step()  # cadence: only what the buckets left (nothing)
+        dense_opts[k].step()
         work.wait()
         sparse_opts[k].step()
 
