@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -30,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from cadence.errors import CadenceValueError
-from cadence.link import EmulatedLink, LinkSpec, LinkUnavailableError, remove_stale
+from cadence.link import EmulatedLink, LinkSpec, LinkUnavailableError, _delay_line, remove_stale
+from cadence.link._netns import DELAY_LINE
 from tests.link._available import netem_refusal, unavailable
 
 pytestmark = pytest.mark.torch_free
@@ -238,19 +240,76 @@ def test_a_missing_tool_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert f"needs `{missing}` on PATH" in str(info.value)
 
 
+def _nfqueue_packets(link: EmulatedLink) -> int:
+    """Packets the namespace's NFQUEUE rule has sent to the delay line so far."""
+    out = subprocess.run(
+        link.command(["iptables", "-w", "-L", "OUTPUT", "-v", "-x", "-n"]),
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if "NFQUEUE" in line]
+    assert len(rows) == 1, out
+    return int(rows[0][0])
+
+
 @needs_link
 def test_delay_works_or_is_refused_naming_netem() -> None:
     refusal = netem_refusal()
-    if refusal is None:  # a kernel with sch_netem: the delay is there, tc says so
+    held = None
+    if refusal is None:
         with EmulatedLink(LinkSpec.parse("100mbit,delay=2")) as link:
-            out = subprocess.run(
-                link.command(["tc", "qdisc", "show", "dev", "lo"]),
-                capture_output=True, text=True, check=True,
-            ).stdout  # fmt: skip
-            assert "netem" in out and "delay 2ms" in out, out
+            if link.delay_by == "netem":  # a kernel with sch_netem: tc says so
+                out = subprocess.run(
+                    link.command(["tc", "qdisc", "show", "dev", "lo"]),
+                    capture_output=True, text=True, check=True,
+                ).stdout  # fmt: skip
+                assert "netem" in out and "delay 2ms" in out, out
+            else:  # no sch_netem: every packet of the self-check went through the line
+                assert link.delay_by == DELAY_LINE, link.delay_by
+                before = _nfqueue_packets(link)
+                line = link.self_check().line(link.spec)
+                assert "delay line" in line and "sch_netem" in line, line
+                assert _nfqueue_packets(link) > before + 100
+                held = link._delay_line
+                assert held is not None and held.poll() is None
+        assert held is None or held.poll() is not None  # the line went with the link
     else:
         assert "sch_netem" in refusal and "drop delay=" in refusal, refusal
+        assert "iptables" in refusal, refusal  # the other way to a delay is named
     assert not any(n.startswith(f"cadence-link-{os.getpid()}-") for n in _namespaces())
+
+
+@needs_link
+def test_a_link_whose_delay_line_died_passes_nothing_and_says_so() -> None:
+    """Without its delay line the rule drops every packet: the ranks stall, never run
+    undelayed, and the next look at the link names the cause."""
+    refusal = netem_refusal()
+    if refusal is not None:
+        pytest.skip(f"no delay can be made here: {refusal}")
+    with EmulatedLink(LinkSpec.parse("100mbit,delay=1")) as link:
+        if link.delay_by != DELAY_LINE:
+            pytest.skip(f"the delay is {link.delay_by}'s here, not the delay line's")
+        assert link._delay_line is not None
+        link._delay_line.kill()
+        link._delay_line.wait()
+        probe = "import socket; s = socket.create_server(('127.0.0.1', 0)); " + (
+            "socket.create_connection(s.getsockname(), timeout=2)"
+        )
+        done = subprocess.run(link.command([sys.executable, "-c", probe]), capture_output=True)
+        assert done.returncode != 0 and b"timed out" in done.stderr, done.stderr[-300:]
+        with pytest.raises(LinkUnavailableError, match="delay line is not in place"):
+            link.reshape(LinkSpec.parse("200mbit,delay=1"))
+
+
+def test_delay_line_messages_parse() -> None:
+    """The netfilter queue's wire format, without a kernel: a packet notification
+    yields its id, an error ack raises with the errno's name."""
+    notification = _delay_line._message(0, 0, _delay_line._attr(1, struct.pack("!IHB", 77, 8, 3)),
+                                        seq=1, ack=False)  # fmt: skip
+    assert _delay_line._packet_ids(notification + notification) == [77, 77]
+    error = struct.pack("=IHHII", 36, 2, 0, 1, 0) + struct.pack("=i", -1) + b"\0" * 16
+    with pytest.raises(OSError, match="Operation not permitted"):
+        _delay_line._packet_ids(error)
+    assert _delay_line._packet_ids(struct.pack("=IHHII", 16, 3, 0, 1, 0)) == []  # a DONE
 
 
 def test_no_privilege_is_named_with_the_fix(

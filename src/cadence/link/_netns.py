@@ -8,7 +8,9 @@ new network namespace has a loopback of its own (127.0.0.0/8 and nothing else, n
 route out), so its ``lo`` can be given a token-bucket rate (``tbf``) and a delay
 (``netem``) that only the processes started inside see. Every byte any rank sends
 passes that one queue once, in either direction: the ranks share one wire, as the
-ranks of a node share its NIC.
+ranks of a node share its NIC. A kernel without ``sch_netem`` gets its delay from a
+user-space delay line instead, where ``iptables`` is installed (see [Note: the delay
+line] in ``_delay_line.py``); the self-check's round trip shows the delay either way.
 
 [Note: the namespace is removed on every exit path]
 `EmulatedLink` is a context manager: leaving it (normally, by an error, by Ctrl-C,
@@ -24,6 +26,7 @@ import itertools
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -37,7 +40,7 @@ from cadence.link._errors import LinkUnavailableError
 from cadence.link._spec import LinkSpec
 from cadence.link._wire import ENV_VAR, ActiveLink
 
-__all__ = ["PREFIX", "EmulatedLink", "LinkMeasurement", "remove_stale"]
+__all__ = ["DELAY_LINE", "PREFIX", "EmulatedLink", "LinkMeasurement", "remove_stale"]
 
 PREFIX = "cadence-link-"
 _STALE = re.compile(rf"^{re.escape(PREFIX)}(\d+)-\d+$")
@@ -49,6 +52,9 @@ _MIN_BURST = 256 * 1024
 # retransmission timeout, which no real link's loss would cost at these round trips.
 _QUEUE_BYTES = 64 * 1024 * 1024
 _TOOLS = {"ip": "iproute2", "tc": "iproute2"}
+DELAY_LINE = "delay line"
+_QUEUE = 0  # the netfilter queue of the delay line (each namespace has its own)
+_READY_S = 10.0  # how long the delay line may take to bind its queue
 
 
 @dataclass(frozen=True)
@@ -59,14 +65,20 @@ class LinkMeasurement:
     seconds: float
     rate_bps: float
     rtt_ms: float
+    delay_by: str | None = None  # "netem", "delay line" or None (no delay asked)
 
     def line(self, spec: LinkSpec) -> str:
         asked = spec.describe()
         got = LinkSpec(None).describe() if not spec.shaped else f"{self.rate_bps / 1e9:.3g} Gbit/s"
         ratio = f" ({self.rate_bps / spec.rate_bps:.2f} of it)" if spec.rate_bps else ""
+        by = (
+            " (delay from a user-space delay line: this kernel has no sch_netem)"
+            if self.delay_by == DELAY_LINE
+            else ""
+        )
         return (
             f"link self-check: asked {asked}; measured {got}{ratio} over "
-            f"{self.bytes / 2**20:.0f} MiB, round trip {self.rtt_ms:.2f} ms"
+            f"{self.bytes / 2**20:.0f} MiB, round trip {self.rtt_ms:.2f} ms{by}"
         )
 
 
@@ -80,7 +92,8 @@ def _run(argv: Sequence[str], what: str) -> str:
         if "qdisc kind is unknown" in reason:
             kind = next((k for k in ("netem", "tbf") if k in argv), "?")
             hint = f"; this kernel has no `{kind}` queueing discipline (module sch_{kind})" + (
-                ", which delay= needs: drop delay= or use a kernel with sch_netem"
+                ", which delay= needs: drop delay=, use a kernel with sch_netem, or install "
+                "iptables (Debian/Ubuntu package iptables) for cadence's user-space delay line"
                 if kind == "netem"
                 else ""
             )
@@ -169,14 +182,17 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def _qdisc_commands(name: str, spec: LinkSpec, *, verb: str = "add") -> list[list[str]]:
+def _qdisc_commands(
+    name: str, spec: LinkSpec, *, verb: str = "add", netem: bool = True
+) -> list[list[str]]:
     """tc's commands for ``spec`` on the namespace's lo (tc-netem(8)'s delay + rate);
-    ``verb="replace"`` changes the shaping of a live link in place."""
+    ``verb="replace"`` changes the shaping of a live link in place; ``netem=False``:
+    the rate only (the delay line delays)."""
     assert spec.rate_bps is not None
     tc = ["ip", "netns", "exec", name, "tc", "qdisc", verb, "dev", "lo"]
     burst = max(_MIN_BURST, spec.rate_bps // 8 // 1000)  # a millisecond at the rate
     tbf = ["tbf", "rate", f"{spec.rate_bps}bit", "burst", str(burst), "limit", str(_QUEUE_BYTES)]
-    if not spec.delay_ms:
+    if not spec.delay_ms or not netem:
         return [[*tc, "root", "handle", "1:", *tbf]]
     netem = ["netem", "delay", f"{spec.delay_ms:g}ms", "limit", "100000"]
     return [[*tc, "root", "handle", "1:", *netem], [*tc, "parent", "1:1", "handle", "10:", *tbf]]
@@ -202,7 +218,9 @@ class EmulatedLink:
         self.spec = spec
         self.name = name or f"{PREFIX}{os.getpid()}-{next(_COUNTER)}"
         self.measurement: LinkMeasurement | None = None
+        self.delay_by: str | None = None  # how spec's delay is made, once open
         self._made = False
+        self._delay_line: subprocess.Popen[bytes] | None = None
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -222,8 +240,7 @@ class EmulatedLink:
                 "bringing up the namespace's loopback",
             )
             if self.spec.shaped:
-                for argv in _qdisc_commands(self.name, self.spec):
-                    _run(argv, "shaping the namespace's loopback")
+                self._shape()
                 self._check_shaped()
         except BaseException:
             self.close()
@@ -242,7 +259,60 @@ class EmulatedLink:
         """Kill what runs inside and delete the namespace (idempotent)."""
         if self._made:
             self._made = False
-            _remove(self.name)
+            _remove(self.name)  # the delay line runs inside: killed with the rest
+        if self._delay_line is not None:
+            self._delay_line.kill()
+            self._delay_line.wait()  # reaped, not left a zombie
+            self._delay_line = None
+
+    def _shape(self) -> None:
+        """The rate by tbf; the delay by netem, or by the delay line where the kernel
+        has no sch_netem and iptables is installed."""
+        if not self.spec.delay_ms:
+            for argv in _qdisc_commands(self.name, self.spec):
+                _run(argv, "shaping the namespace's loopback")
+            return
+        try:
+            for argv in _qdisc_commands(self.name, self.spec):
+                _run(argv, "shaping the namespace's loopback")
+            self.delay_by = "netem"
+            return
+        except LinkUnavailableError as e:
+            if "no `netem`" not in str(e) or shutil.which("iptables") is None:
+                raise
+        # Nothing was added: the netem root failed first, so lo is still unshaped.
+        for argv in _qdisc_commands(self.name, self.spec, netem=False):
+            _run(argv, "shaping the namespace's loopback")
+        self._start_delay_line()
+        self.delay_by = DELAY_LINE
+
+    def _start_delay_line(self) -> None:
+        """Bind the queue first, then send the packets to it: a rule with no listener
+        drops them (see [Note: the delay line] in _delay_line.py)."""
+        assert self.spec.delay_ms is not None
+        argv = [sys.executable, "-m", "cadence.link._delay_line", str(_QUEUE)]
+        proc = subprocess.Popen(
+            self.command([*argv, f"{self.spec.delay_ms:g}"]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self._delay_line = proc
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], _READY_S)
+        line = proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            proc.kill()
+            err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")
+            last = err.strip().splitlines()[-1:] or [f"no answer in {_READY_S:g} s"]
+            raise LinkUnavailableError(
+                f"the link's delay line (for delay= without sch_netem) did not start: {last[0]}"
+            )
+        _run(
+            self.command(
+                ["iptables", "-w", "-A", "OUTPUT", "-j", "NFQUEUE", "--queue-num", str(_QUEUE)]
+            ),
+            "sending the namespace's packets through the delay line",
+        )
 
     def _check_shaped(self) -> None:
         """tc's own account of the qdisc, so a silently ignored command cannot pass."""
@@ -251,7 +321,15 @@ class EmulatedLink:
             "reading the loopback's shaping back",
         )
         kinds = {q.get("kind") for q in json.loads(out or "[]")}
-        want = {"tbf"} | ({"netem"} if self.spec.delay_ms else set())
+        want = {"tbf"} | ({"netem"} if self.delay_by == "netem" else set())
+        if self.delay_by == DELAY_LINE:
+            rules = _run(self.command(["iptables", "-w", "-S", "OUTPUT"]), "reading the rules")
+            line = self._delay_line
+            if "NFQUEUE" not in rules or line is None or line.poll() is not None:
+                raise LinkUnavailableError(
+                    "the link's delay line is not in place (its rule or its process is "
+                    "gone): the delay would be missing"
+                )
         if not want <= kinds:
             raise LinkUnavailableError(
                 f"the namespace's loopback shows qdiscs {sorted(k for k in kinds if k)} "
@@ -323,9 +401,19 @@ class EmulatedLink:
                 "unshaped (make a new one without shaping instead)"
             )
         self.command([])  # refuses a link that is not open
-        for argv in _qdisc_commands(self.name, spec, verb="replace"):
+        if self.delay_by == DELAY_LINE and spec.delay_ms != self.spec.delay_ms:
+            raise LinkUnavailableError(
+                f"reshape({spec.text()!r}): this link's delay comes from the user-space "
+                "delay line (no sch_netem), whose delay is fixed when the link is made; "
+                f"keep delay={self.spec.delay_ms:g}, or make a new link"
+            )
+        for argv in _qdisc_commands(
+            self.name, spec, verb="replace", netem=self.delay_by != DELAY_LINE
+        ):
             _run(argv, "reshaping the namespace's loopback")
         self.spec = spec
+        if self.delay_by != DELAY_LINE:
+            self.delay_by = "netem" if spec.delay_ms else None
         self._check_shaped()
 
     def set_connected(self, connected: bool) -> None:
@@ -358,7 +446,7 @@ class EmulatedLink:
             )
         d = json.loads(out.stdout)
         self.measurement = LinkMeasurement(
-            int(d["bytes"]), d["seconds"], d["rate_bps"], d["rtt_ms"]
+            int(d["bytes"]), d["seconds"], d["rate_bps"], d["rtt_ms"], self.delay_by
         )
         return self.measurement
 
