@@ -441,3 +441,24 @@ def test_timed_row_pairs_and_noise() -> None:
     alone = timed_row("c", times, mine="mine", ref="ref", ref_b=None, target=None,
                       abs_name="abs_mib", absolute=max)  # fmt: skip
     assert alone["aa"] is None and alone["abs_mib"]["twin"] == 4.0 and "abs_ms" not in alone
+
+
+def test_pipeline_bound_on_a_delayed_link() -> None:
+    """The simulator's makespan with free messages is the compute bound; a latency adds
+    at least one hop per stage boundary the critical path crosses, and never less than
+    nothing; the same inputs give the same bound (cadence and torch share it)."""
+    from types import SimpleNamespace
+
+    from cadence.bench.pp import FULL, link_bound
+
+    compute = {"f_ms": 1.0, "b_ms": 2.0}
+    fast = SimpleNamespace(rtt_ms=0.0, measured_bps=1e12)
+    slow = SimpleNamespace(rtt_ms=2.0, measured_bps=1e12)  # 1 ms each way
+    for name, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2)):
+        free = link_bound(name, 2, v, FULL, compute, fast)
+        assert free["bound_ms"] == pytest.approx(free["compute_ms"], rel=1e-3)  # bytes: ~free
+        delayed = link_bound(name, 2, v, FULL, compute, slow)
+        assert delayed["compute_ms"] == free["compute_ms"]
+        # Forward then backward crosses the boundary at least twice on the critical path.
+        assert delayed["bound_ms"] >= delayed["compute_ms"] + 2 * 1.0, (name, delayed)
+        assert link_bound(name, 2, v, FULL, compute, slow) == delayed

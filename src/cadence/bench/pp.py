@@ -8,16 +8,21 @@ not its times). cadence's runtime, torch's schedule and a second torch schedule
 (A/A) step interleaved in the same ranks (see [Note: interleaving] in
 ``_loop.py``); a step ends with a barrier, so its time is the whole pipeline's.
 Target: <= 0.95 per schedule.
+
+On a link (``--link RATE[,delay=MS]``) each row also carries ``link``: what the
+schedule's own dependencies allow there, from cadence's simulator (see [Note: a
+pipeline's bound on a delayed link]), and each variant's step over it.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from cadence.bench._loop import device_and_backend, interleave, launch_ranks, loadavg, rank_device
 from cadence.bench._record import make_record, timed_row
 
-__all__ = ["SCHEDULES", "mse", "rank_body", "run"]
+__all__ = ["SCHEDULES", "link_bound", "mse", "rank_body", "run"]
 
 TARGET = 0.95
 # (cadence generator name, chunks per rank)
@@ -58,7 +63,8 @@ def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(sizes["batch"], sizes["width"], generator=g).to(device)
     y = torch.randn(sizes["batch"], sizes["width"], generator=g).to(device)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"_compute": _compute_ms(sizes, p, device)}
+    dist.barrier()  # each rank timed its stage alone
     for name, v in SCHEDULES:
         n = p * v
         mine = sorted(s for s, r in placement_for(name, p, v).items() if r == rank)
@@ -76,6 +82,69 @@ def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
             steps[label] = _torch_step(sched, chunks, 0 in mine, x, y)
         out[f"{name} v={v}"] = interleave(steps, warmup=warmup, reps=reps)
     return out
+
+
+# [Note: a pipeline's bound on a delayed link]
+# Where point-to-point latency dominates, the shortest step a schedule allows is its
+# critical path with every message paying the link's one-way latency. cadence's
+# simulator computes it from the schedule itself (its lowered action lists, `simulate`
+# with eager sends: a send never holds its sender) and a `TimeModel`:
+# - ``f`` and ``b``: one microbatch's forward and backward through a full stage
+#   (``layers / p`` layers), timed on each rank alone, with no communication (median,
+#   slowest rank); the zero-bubble schedules split ``b`` into equal ``I`` and ``W``
+#   halves (an estimate);
+# - ``alpha``: half the round trip the link's self-check measured (the delay asked,
+#   plus what the loopback and the delay line add);
+# - ``beta`` and ``message_bytes``: the measured rate and one microbatch's activation.
+# ``bound_ms`` is that makespan; ``compute_ms`` the same schedule with free messages,
+# so ``bound_ms - compute_ms`` is the latency no placement of waits can hide. Each
+# variant's ``over_bound`` is its step over ``bound_ms``: 1.00 is the schedule's best.
+# The bound is the same for cadence and torch (the same schedule, the same stages).
+
+
+def _compute_ms(sizes: dict[str, Any], p: int, device: str, reps: int = 7) -> dict[str, float]:
+    """One microbatch's forward and backward through a full stage, no communication."""
+    import statistics
+    import time
+
+    import torch
+
+    stage = _stages(p, sizes, device)[0]
+    mb = sizes["batch"] // sizes["microbatches"]
+    x = torch.randn(mb, sizes["width"], device=device)
+    fwd, bwd = [], []
+    for _ in range(reps + 1):  # the first warms up
+        t0 = time.perf_counter()
+        loss = stage(x).square().mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    return {"f_ms": 1e3 * statistics.median(fwd[1:]), "b_ms": 1e3 * statistics.median(bwd[1:])}
+
+
+def link_bound(
+    name: str, p: int, v: int, sizes: dict[str, Any], compute: dict[str, float], link: Any
+) -> dict[str, float]:
+    """The makespans of [Note: a pipeline's bound on a delayed link], in ms."""
+    from cadence.pipeline.schedule import TimeModel, generate, lower, simulate
+
+    b = compute["b_ms"]
+    plan = lower(generate(name, p, sizes["microbatches"], v))
+    mb_bytes = 4 * sizes["width"] * sizes["batch"] // sizes["microbatches"]
+    free = TimeModel(f=compute["f_ms"], i=b / 2, w=b / 2, b=b)
+    timed = TimeModel(
+        f=compute["f_ms"], i=b / 2, w=b / 2, b=b, alpha=link.rtt_ms / 2,
+        beta=link.measured_bps / 8 / 1e3, message_bytes=mb_bytes,
+    )  # fmt: skip
+    return {
+        "compute_ms": simulate(plan, send="eager", time=free).makespan,
+        "bound_ms": simulate(plan, send="eager", time=timed).makespan,
+        "one_way_ms": link.rtt_ms / 2,
+        "f_ms": compute["f_ms"],
+        "b_ms": b,
+    }
 
 
 def _cadence_step(rt: Any, chunks: list[Any], x: Any, y: Any) -> Any:
@@ -105,23 +174,39 @@ def _torch_step(sched: Any, chunks: list[Any], first: bool, x: Any, y: Any) -> A
 def run(*, quick: bool, tiny: bool = False, worlds: tuple[int, ...] = (2, 4)) -> dict[str, Any]:
     """Run the comparison at each world size and return one record (not yet written)."""
     from cadence.bench import pp
+    from cadence.link import active_link
 
     sizes = TINY if tiny else FULL
     warmup, reps = (1, 2) if tiny else (2, 6) if quick else (3, 20)
     worlds = (2,) if tiny else worlds
     load0 = loadavg()
     rows: list[dict[str, Any]] = []
+    link = active_link()
+    # On a link (with or without a delay): the bound of [Note: a pipeline's bound on a
+    # delayed link]; without a delay it says how far the runtime's own costs put a step
+    # from the schedule's, which the delayed run is read against.
+    measured = link is not None and link.rtt_ms is not None and link.measured_bps is not None
     for world in worlds:
         per_rank = launch_ranks(pp.rank_body, sizes, warmup, reps, world=world, timeout=1800)
+        compute = {k: max(r["_compute"][k] for r in per_rank) for k in ("f_ms", "b_ms")}
         # Every rank's step ends with a barrier, so rank 0's clock is the pipeline's.
         for case, times in per_rank[0].items():
+            if case == "_compute":
+                continue
             what = (
                 f"{sizes['layers']} x [Linear({sizes['width']}) + GELU], batch "
                 f"{sizes['batch']}, {sizes['microbatches']} microbatches"
             )
+            extra = None
+            if measured:
+                name, v = next((n, v) for n, v in SCHEDULES if case == f"{n} v={v}")
+                extra = {"link": link_bound(name, world, v, sizes, compute, link)}
+                for k in ("cadence", "torch"):
+                    step_ms = 1e3 * statistics.median(times[k])
+                    extra["link"][f"over_bound_{k}"] = step_ms / extra["link"]["bound_ms"]
             rows.append(
                 timed_row(f"world {world} {case}", times, mine="cadence", ref="torch",
-                          ref_b="torch_b", target=TARGET, what=what)
+                          ref_b="torch_b", target=TARGET, what=what, extra=extra)
             )  # fmt: skip
     return make_record(
         "pp",
