@@ -24,6 +24,7 @@ PRINTING = {
     "cadence.bench._calibrate": "`cadence bench --link calibrated`'s calibration lines",
     "cadence.bench._on_link": "`cadence bench --link`'s self-check line",
     "cadence.link._probe": "the link's self-check script, run as __main__ in the namespace",
+    "cadence.link._delay_line": "the delay line, run as __main__ in the namespace: says ready",
 }
 
 

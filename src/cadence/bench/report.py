@@ -265,6 +265,9 @@ def _verdict(row: dict[str, Any]) -> str:
 def _extra(row: dict[str, Any]) -> str:
     parts = []
     for k, v in row.get("extra", {}).items():
+        if isinstance(v, dict):  # a group of figures, e.g. a pipeline's bound on a link
+            v = ", ".join(f"{kk} {vv:.2f}" if isinstance(vv, float) else f"{kk} {vv}"
+                          for kk, vv in v.items())  # fmt: skip
         parts.append(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}")
     for key, unit in (("abs_ms", "ms"), ("abs_mib", "MiB")):
         if key in row:  # medians: the figure to read on a dedicated GPU machine
@@ -307,8 +310,11 @@ def _link_label(record: dict[str, Any]) -> str:
     st = record["settings"]
     asked, got = st.get("link_rate_asked_bps"), st.get("link_rate_measured_bps")
     label = f"{asked / 1e6:g} Mbit/s" if asked else str(st["link"])
+    if st.get("link_delay_ms"):
+        label += f", {st['link_delay_ms']:g} ms delay"
     if got:
-        label += f" (measured {got / 1e6:.0f} Mbit/s)"
+        label += f" (measured {got / 1e6:.0f} Mbit/s"
+        label += f", round trip {st['link_rtt_ms']:.2f} ms)" if st.get("link_rtt_ms") else ")"
     return label
 
 
@@ -316,7 +322,8 @@ def _link_flag(record: dict[str, Any]) -> str:
     """The ``--link`` value that reproduces a record's link."""
     st = record["settings"]
     asked = st.get("link_rate_asked_bps")
-    return f"{asked / 1e6:g}mbit" if asked else str(st["link"])
+    flag = f"{asked / 1e6:g}mbit" if asked else str(st["link"])
+    return flag + (f",delay={st['link_delay_ms']:g}" if asked and st.get("link_delay_ms") else "")
 
 
 def _kind_table(
