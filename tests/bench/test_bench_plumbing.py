@@ -319,6 +319,18 @@ def test_a_run_on_a_link_sits_beside_the_unshaped_one(tmp_path: Path) -> None:
     unshaped, on_link = page.split("on an emulated link of 200 Mbit/s (measured 204 Mbit/s)")
     assert "`cadence bench pp`, 2026-01-01T00:00:00Z" in unshaped
     assert "`cadence bench pp --link 200mbit`, 2026-01-02T00:00:00Z" in on_link
+    # A delayed link is its own place, labelled with its delay and round trip, and its
+    # command reproduces the delay.
+    linked["settings"] |= {"link": "200000000bit,delay=1", "link_delay_ms": 1.0,
+                           "link_rtt_ms": 2.5}  # fmt: skip
+    linked["created"] = "2026-01-03T00:00:00Z"
+    (tmp_path / "pp-delay.json").write_text(json.dumps(linked))
+    page = render(latest_records(tmp_path))
+    label = (
+        "on an emulated link of 200 Mbit/s, 1 ms delay (measured 204 Mbit/s, round trip 2.50 ms)"
+    )
+    assert label in page and "on an emulated link of 200 Mbit/s (measured" in page
+    assert "`cadence bench pp --link 200mbit,delay=1`, 2026-01-03T00:00:00Z" in page
 
 
 def test_a_fresh_clone_reruns_one_kind_and_keeps_the_others_and_the_prose(
