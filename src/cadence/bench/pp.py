@@ -104,7 +104,6 @@ def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
 
 def _compute_ms(sizes: dict[str, Any], p: int, device: str, reps: int = 7) -> dict[str, float]:
     """One microbatch's forward and backward through a full stage, no communication."""
-    import statistics
     import time
 
     import torch
