@@ -89,6 +89,11 @@ def test_pp_record(tmp_path: Path) -> None:
         assert row["metric"] == "step time" and row["target"] == 0.95
         assert set(row["abs_ms"]) == {"cadence", "torch", "torch_b"}
         assert "microbatches" in row["what"]
+        # Parity before timing: the same per-microbatch losses and gradients as torch's.
+        parity = row["parity"]
+        assert len(parity["losses_cadence"]) == 4, parity  # TINY's microbatches
+        assert parity["losses_cadence"] == pytest.approx(parity["losses_torch"], rel=1e-5)
+        assert parity["grad_max_abs_diff"] == 0.0, parity  # bitwise, from the same weights
 
 
 def test_step_record(tmp_path: Path) -> None:

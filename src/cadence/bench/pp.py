@@ -79,9 +79,38 @@ def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
                 sched = cls(stages[0], n_microbatches=m, loss_fn=mse)
             else:
                 sched = cls(stages, n_microbatches=m, loss_fn=mse)
+            if label == "torch":
+                parity = _parity(rt, sched, [c_chunks[s] for s in mine],
+                                 [chunks[s] for s in mine], 0 in mine, x, y)  # fmt: skip
             steps[label] = _torch_step(sched, chunks, 0 in mine, x, y)
-        out[f"{name} v={v}"] = interleave(steps, warmup=warmup, reps=reps)
+        out[f"{name} v={v}"] = {"times": interleave(steps, warmup=warmup, reps=reps),
+                                "parity": parity}  # fmt: skip
     return out
+
+
+def _parity(
+    rt: Any, sched: Any, mine_c: list[Any], mine_t: list[Any], first: bool, x: Any, y: Any
+) -> dict[str, Any]:
+    """One step of each side from the same weights, before any is timed: this rank's
+    per-microbatch losses (where it holds the last stage) and the largest gradient
+    difference over its stages. The steps time the same arithmetic as torch's."""
+
+    c_losses: list[Any] = []
+    t_losses: list[Any] = []
+    rt.step(x, target=y, losses=c_losses)
+    sched.step(*((x,) if first else ()), target=y, losses=t_losses)
+    diff = 0.0
+    for c, t in zip(mine_c, mine_t, strict=True):
+        for pc, pt in zip(c.parameters(), t.parameters(), strict=True):
+            assert pc.grad is not None and pt.grad is not None  # both stepped backward
+            diff = max(diff, (pc.grad - pt.grad).abs().max().item())
+        c.zero_grad(set_to_none=True)
+        t.zero_grad(set_to_none=True)
+    return {
+        "losses_cadence": [float(v.detach()) for v in c_losses],
+        "losses_torch": [float(v.detach()) for v in t_losses],
+        "grad_max_abs_diff": diff,
+    }
 
 
 # [Note: a pipeline's bound on a delayed link]
@@ -189,9 +218,11 @@ def run(*, quick: bool, tiny: bool = False, worlds: tuple[int, ...] = (2, 4)) ->
         per_rank = launch_ranks(pp.rank_body, sizes, warmup, reps, world=world, timeout=1800)
         compute = {k: max(r["_compute"][k] for r in per_rank) for k in ("f_ms", "b_ms")}
         # Every rank's step ends with a barrier, so rank 0's clock is the pipeline's.
-        for case, times in per_rank[0].items():
+        for case, result in per_rank[0].items():
             if case == "_compute":
                 continue
+            times = result["times"]
+            parity = [r[case]["parity"] for r in per_rank]
             what = (
                 f"{sizes['layers']} x [Linear({sizes['width']}) + GELU], batch "
                 f"{sizes['batch']}, {sizes['microbatches']} microbatches"
@@ -203,10 +234,15 @@ def run(*, quick: bool, tiny: bool = False, worlds: tuple[int, ...] = (2, 4)) ->
                 for k in ("cadence", "torch"):
                     step_ms = 1e3 * statistics.median(times[k])
                     extra["link"][f"over_bound_{k}"] = step_ms / extra["link"]["bound_ms"]
-            rows.append(
-                timed_row(f"world {world} {case}", times, mine="cadence", ref="torch",
-                          ref_b="torch_b", target=TARGET, what=what, extra=extra)
-            )  # fmt: skip
+            row = timed_row(f"world {world} {case}", times, mine="cadence", ref="torch",
+                            ref_b="torch_b", target=TARGET, what=what, extra=extra)  # fmt: skip
+            # The rank that holds the last stage has the losses; every rank its grads.
+            row["parity"] = {
+                "losses_cadence": next(q["losses_cadence"] for q in parity if q["losses_cadence"]),
+                "losses_torch": next(q["losses_torch"] for q in parity if q["losses_torch"]),
+                "grad_max_abs_diff": max(q["grad_max_abs_diff"] for q in parity),
+            }
+            rows.append(row)
     return make_record(
         "pp",
         quick=quick,
