@@ -479,3 +479,43 @@ def test_pipeline_bound_on_a_delayed_link() -> None:
         # Forward then backward crosses the boundary at least twice on the critical path.
         assert delayed["bound_ms"] >= delayed["compute_ms"] + 2 * 1.0, (name, delayed)
         assert link_bound(name, 2, v, FULL, compute, slow) == delayed
+
+
+def test_pp_on_a_link_traces_each_side_and_draws_it(tmp_path: Path) -> None:
+    """On a link, each world-2 case carries one traced step per side: a forward and a
+    backward span per microbatch and chunk on every rank, in order, and its picture."""
+    import subprocess
+    import sys
+
+    from cadence.link import EmulatedLink, LinkSpec
+    from tests.link._available import netem_refusal, unavailable
+
+    if unavailable() is not None:
+        pytest.skip(f"no link here: {unavailable()}")
+    spec = "1gbit,delay=1" if netem_refusal() is None else "1gbit"
+    script = (
+        "import json, pathlib, sys\n"
+        "from cadence.bench._run import run_bench\n"
+        "rec, path, chart = run_bench('pp', tiny=True, out_dir=pathlib.Path(sys.argv[1]))\n"
+        "pathlib.Path(sys.argv[1], 'out.json').write_text(json.dumps([rec, str(path)]))\n"
+    )
+    with EmulatedLink(LinkSpec.parse(spec)) as link:
+        link.self_check()
+        argv = [sys.executable, "-c", script, str(tmp_path)]
+        done = subprocess.run(link.command(argv), env=link.env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record, path = json.loads((tmp_path / "out.json").read_text())
+    for row in record["rows"]:
+        v = 2 if "v=2" in row["case"] else 1
+        assert set(row["trace"]) == {"cadence", "torch"}, row["case"]
+        for side, ranks in row["trace"].items():
+            assert set(ranks) == {"0", "1"}
+            for spans in ranks.values():
+                kinds = [s[0] for s in spans]
+                assert kinds.count("F") == kinds.count("B") == 4 * v, (row["case"], side, kinds)
+                assert all(a <= b for _, _, a, b in spans)
+        assert row["extra"]["link"]["bound_ms"] >= row["extra"]["link"]["compute_ms"]
+        png = Path(path).with_name(
+            f"{Path(path).stem}-{row['case'].replace(' ', '_').replace('=', '')}-timeline.png"
+        )
+        assert png.read_bytes()[:4] == b"\x89PNG", png

@@ -17,12 +17,13 @@ pipeline's bound on a delayed link]), and each variant's step over it.
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
 from cadence.bench._loop import device_and_backend, interleave, launch_ranks, loadavg, rank_device
 from cadence.bench._record import make_record, timed_row
 
-__all__ = ["SCHEDULES", "link_bound", "mse", "rank_body", "run"]
+__all__ = ["SCHEDULES", "link_bound", "mse", "rank_body", "run", "timeline_path", "write_chart"]
 
 TARGET = 0.95
 # (cadence generator name, chunks per rank)
@@ -54,10 +55,13 @@ def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as ts
 
+    from cadence.bench._pp_trace import trace_step
+    from cadence.link import active_link
     from cadence.pipeline.runtime import build_pipeline
     from cadence.pipeline.schedule import placement_for, torch_schedule_name
 
     rank, p = dist.get_rank(), dist.get_world_size()
+    on_link = active_link() is not None
     device = rank_device()
     m = sizes["microbatches"]
     g = torch.Generator().manual_seed(0)
@@ -83,8 +87,15 @@ def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
                 parity = _parity(rt, sched, [c_chunks[s] for s in mine],
                                  [chunks[s] for s in mine], 0 in mine, x, y)  # fmt: skip
             steps[label] = _torch_step(sched, chunks, 0 in mine, x, y)
-        out[f"{name} v={v}"] = {"times": interleave(steps, warmup=warmup, reps=reps),
-                                "parity": parity}  # fmt: skip
+            if label == "torch":
+                t_mine = {s: chunks[s] for s in mine}
+        result = {"times": interleave(steps, warmup=warmup, reps=reps), "parity": parity}
+        if on_link and p == 2:  # one traced step per side, drawn per case (world 4 shares cores)
+            result["trace"] = {
+                "cadence": trace_step(steps["cadence"], {s: c_chunks[s] for s in mine}),
+                "torch": trace_step(steps["torch"], t_mine),
+            }
+        out[f"{name} v={v}"] = result
     return out
 
 
@@ -175,6 +186,27 @@ def link_bound(
     }
 
 
+def timeline_path(record_png: Path, case: str) -> Path:
+    """Where a case's timeline picture goes, beside its record's chart."""
+    name = case.replace(" ", "_").replace("=", "")
+    return record_png.with_name(f"{record_png.stem}-{name}-timeline.png")
+
+
+def write_chart(record: dict[str, Any], path: Path) -> Path | None:
+    """The record's ratio chart, and on a link one timeline picture per world-2 case."""
+    from cadence.bench._pp_trace import write_pp_timeline
+    from cadence.bench._record import write_chart as ratio_chart
+
+    st = record["settings"]
+    for row in record["rows"]:
+        if "trace" in row:
+            delay = f", {st['link_delay_ms']:g} ms delay" if st.get("link_delay_ms") else ""
+            rate = (st.get("link_rate_measured_bps") or 0) / 1e9
+            title = f"{row['case']} on a {rate:.3g} Gbit/s link{delay}: one traced step per side"
+            write_pp_timeline(row, timeline_path(path, row["case"]), title)
+    return ratio_chart(record, path)
+
+
 def _cadence_step(rt: Any, chunks: list[Any], x: Any, y: Any) -> Any:
     import torch.distributed as dist
 
@@ -242,6 +274,9 @@ def run(*, quick: bool, tiny: bool = False, worlds: tuple[int, ...] = (2, 4)) ->
                 "losses_torch": next(q["losses_torch"] for q in parity if q["losses_torch"]),
                 "grad_max_abs_diff": max(q["grad_max_abs_diff"] for q in parity),
             }
+            if "trace" in result:
+                row["trace"] = {k: {str(i): r[case]["trace"][k] for i, r in enumerate(per_rank)}
+                                for k in ("cadence", "torch")}  # fmt: skip
             rows.append(row)
     return make_record(
         "pp",
