@@ -52,13 +52,11 @@ def _stages(n: int, sizes: dict[str, Any], device: str) -> list[Any]:
 def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining import schedules as ts
 
     from cadence.bench._pp_trace import trace_step
     from cadence.link import active_link
     from cadence.pipeline.runtime import build_pipeline
-    from cadence.pipeline.schedule import placement_for, torch_schedule_name
+    from cadence.pipeline.schedule import placement_for
 
     rank, p = dist.get_rank(), dist.get_world_size()
     on_link = active_link() is not None
@@ -75,28 +73,39 @@ def rank_body(sizes: dict[str, Any], warmup: int, reps: int) -> dict[str, Any]:
         c_chunks = _stages(n, sizes, device)
         rt = build_pipeline(name, c_chunks, n_microbatches=m, chunks=v, loss_fn=mse, device=device)
         steps = {"cadence": _cadence_step(rt, c_chunks, x, y)}
-        for label in ("torch", "torch_b"):
-            chunks = _stages(n, sizes, device)
-            stages = [PipelineStage(chunks[s], s, n, torch.device(device)) for s in mine]
-            cls = ts.get_schedule_class(torch_schedule_name(name))
-            if issubclass(cls, ts.PipelineScheduleSingle):
-                sched = cls(stages[0], n_microbatches=m, loss_fn=mse)
-            else:
-                sched = cls(stages, n_microbatches=m, loss_fn=mse)
-            if label == "torch":
-                parity = _parity(rt, sched, [c_chunks[s] for s in mine],
-                                 [chunks[s] for s in mine], 0 in mine, x, y)  # fmt: skip
+        sides = {label: _torch_side(name, n, mine, sizes, device) for label in ("torch", "torch_b")}
+        t_sched, t_chunks = sides["torch"]
+        parity = _parity(rt, t_sched, [c_chunks[s] for s in mine],
+                         [t_chunks[s] for s in mine], 0 in mine, x, y)  # fmt: skip
+        for label, (sched, chunks) in sides.items():
             steps[label] = _torch_step(sched, chunks, 0 in mine, x, y)
-            if label == "torch":
-                t_mine = {s: chunks[s] for s in mine}
         result = {"times": interleave(steps, warmup=warmup, reps=reps), "parity": parity}
         if on_link and p == 2:  # one traced step per side, drawn per case (world 4 shares cores)
             result["trace"] = {
                 "cadence": trace_step(steps["cadence"], {s: c_chunks[s] for s in mine}),
-                "torch": trace_step(steps["torch"], t_mine),
+                "torch": trace_step(steps["torch"], {s: t_chunks[s] for s in mine}),
             }
         out[f"{name} v={v}"] = result
     return out
+
+
+def _torch_side(
+    name: str, n: int, mine: list[int], sizes: dict[str, Any], device: str
+) -> tuple[Any, list[Any]]:
+    """torch's schedule of ``name`` over fresh chunks (the same weights as cadence's)."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    from cadence.pipeline.schedule import torch_schedule_name
+
+    m = sizes["microbatches"]
+    chunks = _stages(n, sizes, device)
+    stages = [PipelineStage(chunks[s], s, n, torch.device(device)) for s in mine]
+    cls = ts.get_schedule_class(torch_schedule_name(name))
+    if issubclass(cls, ts.PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches=m, loss_fn=mse), chunks
+    return cls(stages, n_microbatches=m, loss_fn=mse), chunks
 
 
 def _parity(

@@ -194,8 +194,8 @@ def _qdisc_commands(
     tbf = ["tbf", "rate", f"{spec.rate_bps}bit", "burst", str(burst), "limit", str(_QUEUE_BYTES)]
     if not spec.delay_ms or not netem:
         return [[*tc, "root", "handle", "1:", *tbf]]
-    netem = ["netem", "delay", f"{spec.delay_ms:g}ms", "limit", "100000"]
-    return [[*tc, "root", "handle", "1:", *netem], [*tc, "parent", "1:1", "handle", "10:", *tbf]]
+    delay = ["netem", "delay", f"{spec.delay_ms:g}ms", "limit", "100000"]
+    return [[*tc, "root", "handle", "1:", *delay], [*tc, "parent", "1:1", "handle", "10:", *tbf]]
 
 
 class EmulatedLink:
