@@ -519,3 +519,6 @@ def test_pp_on_a_link_traces_each_side_and_draws_it(tmp_path: Path) -> None:
             f"{Path(path).stem}-{row['case'].replace(' ', '_').replace('=', '')}-timeline.png"
         )
         assert png.read_bytes()[:4] == b"\x89PNG", png
+    # The page shows each case's picture under the record's table.
+    page = render({"pp": dict(record, _path=path)}, tmp_path)
+    assert page.count("one traced step per side](") == len(record["rows"]), page[-800:]

@@ -9,9 +9,15 @@ not its times). cadence's runtime, torch's schedule and a second torch schedule
 ``_loop.py``); a step ends with a barrier, so its time is the whole pipeline's.
 Target: <= 0.95 per schedule.
 
+Before timing, each schedule steps once on each side from the same weights: the row's
+``parity`` holds both sides' per-microbatch losses and the largest gradient difference
+(the tiny run's test asserts them bitwise equal).
+
 On a link (``--link RATE[,delay=MS]``) each row also carries ``link``: what the
 schedule's own dependencies allow there, from cadence's simulator (see [Note: a
-pipeline's bound on a delayed link]), and each variant's step over it.
+pipeline's bound on a delayed link]), and each variant's step over it; at world 2,
+``trace``: one traced step per side, drawn as the case's timeline picture
+(`cadence.bench._pp_trace`).
 """
 
 from __future__ import annotations

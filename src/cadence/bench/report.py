@@ -359,8 +359,24 @@ def _kind_table(
     if page_dir is not None and chart.name and chart.exists():
         rel = os.path.relpath(chart.resolve(), page_dir.resolve())
         out.append(f"\n![cadence bench {kind}]({rel})")
+        out.extend(_pp_timelines(kind, record, chart, page_dir))
     out.append("")
     return "\n".join(out)
+
+
+def _pp_timelines(kind: str, record: dict[str, Any], chart: Path, page_dir: Path) -> list[str]:
+    """``bench pp`` on a link: each traced case's picture, beside the record's chart."""
+    if kind != "pp":
+        return []
+    from cadence.bench.pp import timeline_path
+
+    out = []
+    for row in record["rows"]:
+        pic = timeline_path(chart, row["case"])
+        if "trace" in row and pic.exists():
+            rel = os.path.relpath(pic.resolve(), page_dir.resolve())
+            out.append(f"![{row['case']}, one traced step per side]({rel})")
+    return out
 
 
 def _c(row: dict[str, Any], variant: str, key: str) -> str:
