@@ -469,8 +469,9 @@ def test_pipeline_bound_on_a_delayed_link() -> None:
     from cadence.bench.pp import FULL, link_bound
 
     compute = {"f_ms": 1.0, "b_ms": 2.0}
-    fast = SimpleNamespace(rtt_ms=0.0, measured_bps=1e12)
-    slow = SimpleNamespace(rtt_ms=2.0, measured_bps=1e12)  # 1 ms each way
+    fast = SimpleNamespace(rtt_ms=0.0, measured_bps=1e12, spec=SimpleNamespace(delay_ms=None))
+    # 1 ms each way as asked; the probe's round trip (2.6 ms) also carries its own costs
+    slow = SimpleNamespace(rtt_ms=2.6, measured_bps=1e12, spec=SimpleNamespace(delay_ms=1.0))
     for name, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2)):
         free = link_bound(name, 2, v, FULL, compute, fast)
         assert free["bound_ms"] == pytest.approx(free["compute_ms"], rel=1e-3)  # bytes: ~free
@@ -479,6 +480,7 @@ def test_pipeline_bound_on_a_delayed_link() -> None:
         # Forward then backward crosses the boundary at least twice on the critical path.
         assert delayed["bound_ms"] >= delayed["compute_ms"] + 2 * 1.0, (name, delayed)
         assert link_bound(name, 2, v, FULL, compute, slow) == delayed
+        assert delayed["one_way_ms"] == 1.0
 
 
 def test_pp_on_a_link_traces_each_side_and_draws_it(tmp_path: Path) -> None:
@@ -496,8 +498,9 @@ def test_pp_on_a_link_traces_each_side_and_draws_it(tmp_path: Path) -> None:
     script = (
         "import json, pathlib, sys\n"
         "from cadence.bench._run import run_bench\n"
-        "rec, path, chart = run_bench('pp', tiny=True, out_dir=pathlib.Path(sys.argv[1]))\n"
-        "pathlib.Path(sys.argv[1], 'out.json').write_text(json.dumps([rec, str(path)]))\n"
+        "out = pathlib.Path(sys.argv[1])\n"
+        "rec, path, chart = run_bench('pp', tiny=True, out_dir=out / 'results')\n"
+        "(out / 'out.json').write_text(json.dumps([rec, str(path)]))\n"
     )
     with EmulatedLink(LinkSpec.parse(spec)) as link:
         link.self_check()
@@ -522,3 +525,9 @@ def test_pp_on_a_link_traces_each_side_and_draws_it(tmp_path: Path) -> None:
     # The page shows each case's picture under the record's table.
     page = render({"pp": dict(record, _path=path)}, tmp_path)
     assert page.count("one traced step per side](") == len(record["rows"]), page[-800:]
+    # ... and the page's records folder keeps them beside the record it cites (the page
+    # leaves tiny records out: this one is passed off as a full run).
+    Path(path).write_text(json.dumps(dict(record, tiny=False)))
+    write_docs(tmp_path / "results", tmp_path / "docs" / "benchmarks.md")
+    kept = {p.name for p in (tmp_path / "docs" / "records").iterdir()}
+    assert sum(name.endswith("-timeline.png") for name in kept) == len(record["rows"]), kept

@@ -148,8 +148,10 @@ def _parity(
 #   (``layers / p`` layers), timed on each rank alone, with no communication (median,
 #   slowest rank); the zero-bubble schedules split ``b`` into equal ``I`` and ``W``
 #   halves (an estimate);
-# - ``alpha``: half the round trip the link's self-check measured (the delay asked,
-#   plus what the loopback and the delay line add);
+# - ``alpha``: the one-way delay asked for (every packet is held at least that long;
+#   the self-check's round trip also carries its own probe's costs, so half of it
+#   would overstate a message's latency and the bound with it), or without a delay
+#   half the measured round trip;
 # - ``beta`` and ``message_bytes``: the measured rate and one microbatch's activation.
 # ``bound_ms`` is that makespan; ``compute_ms`` the same schedule with free messages,
 # so ``bound_ms - compute_ms`` is the latency no placement of waits can hide. Each
@@ -185,17 +187,18 @@ def link_bound(
     from cadence.pipeline.schedule import TimeModel, generate, lower, simulate
 
     b = compute["b_ms"]
+    one_way = link.spec.delay_ms or link.rtt_ms / 2
     plan = lower(generate(name, p, sizes["microbatches"], v))
     mb_bytes = 4 * sizes["width"] * sizes["batch"] // sizes["microbatches"]
     free = TimeModel(f=compute["f_ms"], i=b / 2, w=b / 2, b=b)
     timed = TimeModel(
-        f=compute["f_ms"], i=b / 2, w=b / 2, b=b, alpha=link.rtt_ms / 2,
+        f=compute["f_ms"], i=b / 2, w=b / 2, b=b, alpha=one_way,
         beta=link.measured_bps / 8 / 1e3, message_bytes=mb_bytes,
     )  # fmt: skip
     return {
         "compute_ms": simulate(plan, send="eager", time=free).makespan,
         "bound_ms": simulate(plan, send="eager", time=timed).makespan,
-        "one_way_ms": link.rtt_ms / 2,
+        "one_way_ms": one_way,
         "f_ms": compute["f_ms"],
         "b_ms": b,
     }

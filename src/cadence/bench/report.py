@@ -547,9 +547,15 @@ def _cite(records: list[dict[str, Any]], into: Path) -> None:
     for record in records:
         src = Path(record["_path"])
         # The record, its chart, and the pictures its rows name (a step-link record's
-        # timelines), all beside it.
+        # timelines) or draw (a pp record's traced cases), all beside it.
         names = [src.with_suffix(".json").name, src.with_suffix(".png").name]
         names += [row["timeline"] for row in record.get("rows", []) if row.get("timeline")]
+        if record.get("kind") == "pp":
+            from cadence.bench.pp import timeline_path
+
+            chart = src.with_suffix(".png")
+            names += [timeline_path(chart, row["case"]).name
+                      for row in record["rows"] if "trace" in row]  # fmt: skip
         for name in names:
             f = src.with_name(name)
             if f.exists():
