@@ -84,6 +84,51 @@ def finalize_from_a_hook_before_every_bucket_launched_raises() -> None:
     dp.finalize_backward()
 
 
+def _finalize_from_a_hook(
+    held: int | None, at: int
+) -> tuple[cadence.DataParallel, list[str | None]]:
+    """One backward with ``held`` buckets held (None: all) and a hook, before layer
+    ``at``, that finalizes; what the hook raised (None: nothing)."""
+    xl, yl = _batch()
+    xl = xl.clone().requires_grad_()  # the hook needs a graph before the first layer too
+    dp = _fresh()
+    dp.hold_last_buckets(dp.num_buckets if held is None else held)
+    seen: list[str | None] = []
+
+    class Probe(nn.Module):
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            t = t * 1.0
+            t.register_hook(lambda g: seen.append(raised(dp.finalize_backward)))
+            return t
+
+    dp.module.insert(at, Probe())
+    dp.event_log.clear()
+    F.mse_loss(dp(xl), yl).backward()
+    return dp, seen
+
+
+def finalize_from_a_hook_once_every_held_bucket_is_ready() -> None:
+    """Every bucket held, so backward launches none; a hook that runs after the last
+    parameter gradient is accumulated (before the first layer: the input's gradient
+    comes after the weights') may finalize, and launches them all."""
+    dp, seen = _finalize_from_a_hook(held=None, at=0)
+    assert dp.num_buckets >= 2, dp.num_buckets
+    assert seen == [None], f"inside backward: {seen or 'the hook did not run'}"
+    assert dp.event_log.count("all_reduce") == dp.num_buckets, dp.event_log.counts()
+    assert dp.finalize_backward() is None  # nothing left pending
+
+
+def finalize_from_a_hook_before_a_held_bucket_is_ready_raises() -> None:
+    """Mid-backward, the held buckets still owe gradients: refused as before."""
+    dp, seen = _finalize_from_a_hook(held=1, at=2)
+    assert len(seen) == 1 and seen[0] is not None and "buckets have launched" in seen[0], seen
+    dp.finalize_backward()
+
+
+def hold_last_buckets_inside_backward_raises() -> None:
+    _in_backward(lambda dp: dp.hold_last_buckets(0), "inside backward")
+
+
 def _in_backward(action: Any, *fragments: str) -> None:
     """``action`` from a hook inside backward raises an error with ``fragments``."""
     xl, yl = _batch()
@@ -187,6 +232,9 @@ SCENARIOS = scenarios(
     optimizer_step_while_pending_raises,
     second_synced_backward_while_pending_raises,
     finalize_from_a_hook_before_every_bucket_launched_raises,
+    finalize_from_a_hook_once_every_held_bucket_is_ready,
+    finalize_from_a_hook_before_a_held_bucket_is_ready_raises,
+    hold_last_buckets_inside_backward_raises,
     set_requires_gradient_sync_inside_backward_raises,
     set_manual_backward_finalization_inside_backward_raises,
     second_finalize_before_wait_raises,
