@@ -4,7 +4,7 @@ checkpointing, buffers, wire dtypes and comm hooks; the world-2 launch runs `SCE
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -424,9 +424,151 @@ def hold_last_buckets_misuse_is_refused() -> None:
     )
     clone = copy.deepcopy(dp)  # the flag travels with a copy, after the manual one
     assert clone.held_buckets == 1 and clone.require_manual_backward_finalization
+    assert not clone.holds_only_while_busy
+    assert_raises(
+        lambda: dp.hold_last_buckets(1, only_while_busy=1), "True or False", "only_while_busy"
+    )
+    dp.hold_last_buckets(1, only_while_busy=True)
+    clone = copy.deepcopy(dp)
+    assert clone.held_buckets == 1 and clone.holds_only_while_busy
+    dp.held_buckets = 2  # the count changes, the mode stays
+    assert dp.holds_only_while_busy
     dp.hold_last_buckets(0)
     dp.require_manual_backward_finalization = False
-    assert dp.held_buckets == 0
+    assert dp.held_buckets == 0 and not dp.holds_only_while_busy
+
+
+def held_buckets_wait_only_while_busy() -> None:
+    """hold_last_buckets(2, only_while_busy=True) with a comm hook whose futures the
+    test completes: on a wire that keeps up (each future completes at once) the held
+    buckets find every launched one landed and launch in backward; on one that has
+    not delivered (the futures stay pending) they wait, as a plain hold; finalize
+    launches what is held, in bucket order; the gradients are the reference's."""
+    model = make_mlp()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world)
+    xl, yl = local(x, rank, world), local(y, rank, world)
+    ref = copy.deepcopy(model)
+    F.mse_loss(ref(x), y).backward()
+    for keeps_up in (True, False):
+        state: dict[str, Any] = {"delivers": keeps_up, "launched": [], "pending": []}
+
+        def hook(state: dict[str, Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
+            buf = bucket.buffer()
+            buf.div_(world)
+            dist.all_reduce(buf)  # the values travel now; the future says when they land
+            state["launched"].append(bucket.index())
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            if state["delivers"]:
+                fut.set_result(buf)
+            else:
+                state["pending"].append((fut, buf))
+            return fut
+
+        dp = cadence.DataParallel(
+            copy.deepcopy(model), bucket_cap_mb=0.001, first_bucket_cap_mb=None
+        )
+        dp.register_comm_hook(state, hook)
+        dp.require_manual_backward_finalization = True
+        dp.hold_last_buckets(2, only_while_busy=True)
+        assert dp.held_buckets == 2 and dp.holds_only_while_busy
+        F.mse_loss(dp(xl), yl).backward()
+        expected = dp.num_buckets if keeps_up else dp.num_buckets - 2
+        assert len(state["launched"]) == expected, (keeps_up, state["launched"])
+        state["delivers"] = True  # the wire catches up
+        for fut, buf in state["pending"]:
+            fut.set_result(buf)
+        dp.finalize_backward()
+        assert state["launched"] == list(range(dp.num_buckets)), state["launched"]
+        diff = max_abs_diff(strip(named_grads(dp)), named_grads(ref))
+        assert diff < 1e-6, f"grads differ from the reference by {diff:.3e} ({keeps_up})"
+
+
+def held_bucket_launches_in_backward_once_the_wire_goes_idle() -> None:
+    """hold_last_buckets(2, only_while_busy=True): the first held bucket is ready while
+    the launched ones are still in flight (their futures pending), so it waits; the
+    wire then catches up during backward (the futures complete after the first of the
+    first layer's two gradients, whichever autograd accumulates first), and the hook
+    of the other launches the held bucket, still inside backward, before the last
+    parameter's gradient has accumulated."""
+    model = make_mlp()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world)
+    xl, yl = local(x, rank, world), local(y, rank, world)
+    dp = cadence.DataParallel(copy.deepcopy(model), bucket_cap_mb=0.001, first_bucket_cap_mb=None)
+    params = list(dp.parameters())
+    state: dict[str, Any] = {"accumulated": 0, "pending": [], "launched": {}, "delivers": False}
+
+    def hook(state: dict[str, Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        buf.div_(world)
+        dist.all_reduce(buf)
+        state["launched"][bucket.index()] = state["accumulated"]  # how far backward was
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        if state["delivers"]:
+            fut.set_result(buf)
+        else:
+            state["pending"].append((fut, buf))
+        return fut
+
+    def count(_: torch.Tensor) -> None:  # registered after the wrapper's: runs after it
+        state["accumulated"] += 1
+
+    def catch_up(_: torch.Tensor) -> None:
+        if state.get("caught_up"):
+            return
+        state["caught_up"] = True
+        for fut, buf in state["pending"]:
+            fut.set_result(buf)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(count)
+    for p in dp.module[0].parameters():  # the last bucket's: backward reaches it last
+        p.register_post_accumulate_grad_hook(catch_up)
+    dp.register_comm_hook(state, hook)
+    dp.require_manual_backward_finalization = True
+    dp.hold_last_buckets(2, only_while_busy=True)
+    F.mse_loss(dp(xl), yl).backward()
+    held_first = dp.num_buckets - 2
+    assert held_first in state["launched"], f"the held bucket waited: {state['launched']}"
+    assert state["launched"][held_first] < len(params), state["launched"]
+    state["delivers"] = True  # what finalize launches lands at once
+    for fut, buf in state["pending"]:
+        if not fut.done():
+            fut.set_result(buf)
+    dp.finalize_backward()
+    assert sorted(state["launched"]) == list(range(dp.num_buckets)), state["launched"]
+
+
+def held_only_while_busy_on_gloo_let_the_callers_collective_through() -> None:
+    """The same hold on gloo's own all-reduce, with a collective of the caller's on a
+    second group between backward and finalize (a held bucket's launch time depends
+    on each rank's wire, so only another group is safe): over two steps the gradients
+    are the reference's, backward launched at least every unheld bucket, and
+    finalize all of them."""
+    model = make_mlp()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    other = cast(dist.ProcessGroup, dist.new_group())
+    log = cadence.EventLog()
+    dp = cadence.DataParallel(
+        copy.deepcopy(model), bucket_cap_mb=0.001, first_bucket_cap_mb=None, event_log=log
+    )
+    dp.require_manual_backward_finalization = True
+    dp.hold_last_buckets(2, only_while_busy=True)
+    caller = cadence.Comm(other, name="caller")
+    for step in range(2):
+        x, y = global_batch(step, world)
+        ref = copy.deepcopy(model)
+        F.mse_loss(ref(x), y).backward()
+        log.clear()
+        F.mse_loss(dp(local(x, rank, world)), local(y, rank, world)).backward()
+        assert dp.num_buckets - 2 <= log.count("all_reduce") <= dp.num_buckets, log.counts()
+        caller.all_reduce(torch.ones(7))
+        dp.finalize_backward()
+        assert log.count("all_reduce") == dp.num_buckets, log.counts()
+        diff = max_abs_diff(strip(named_grads(dp)), named_grads(ref))
+        assert diff < 1e-6, f"step {step}: grads differ from the reference by {diff:.3e}"
+        dp.zero_grad(set_to_none=True)
 
 
 ACCUMULATION = ["no_sync", "setter", "deferred", "interleaved", "fwd_outside_bwd_inside"]
@@ -453,5 +595,8 @@ SCENARIOS = [
         held_buckets_launch_at_finalize_after_the_callers_collective,
         hold_every_bucket_leaves_backward_silent,
         hold_last_buckets_misuse_is_refused,
+        held_buckets_wait_only_while_busy,
+        held_bucket_launches_in_backward_once_the_wire_goes_idle,
+        held_only_while_busy_on_gloo_let_the_callers_collective_through,
     ),
 ]

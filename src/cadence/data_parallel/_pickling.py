@@ -29,6 +29,7 @@ __all__ = ["FLAGS", "check_picklable", "pickled_state"]
 FLAGS = (
     "require_manual_backward_finalization",
     "held_buckets",  # after the manual flag, which it requires
+    "holds_only_while_busy",  # after the count it applies to
     "require_backward_grad_sync",
     "require_forward_param_sync",
     "broadcast_buffers",

@@ -64,6 +64,7 @@ class _Window:
     pending: list[int] = field(default_factory=list)  # params still owed per bucket
     works: list[CommWork | None] = field(default_factory=list)
     next_bucket: int = 0
+    landed: int = 0  # every bucket before it has completed (see [Note: held buckets])
     used_map_work: CommWork | None = None
     used_map: torch.Tensor | None = None
     learning: bool = False  # static_graph's first synced iteration
@@ -166,6 +167,9 @@ class Reducer:
         # How many of the last buckets (in launch order) backward leaves for
         # finalize_backward to launch (see [Note: held buckets]).
         self.held = 0
+        # Whether a held bucket launches in backward anyway once every launched bucket
+        # has landed (see [Note: held buckets]).
+        self.hold_only_while_busy = False
         # See [Note: gradients appear at finalization] in cadence/_grad_timing/pending_grad.py.
         self.grad_guard = GradGuard("DataParallel")
         self.split_part: str | None = (
@@ -324,6 +328,8 @@ class Reducer:
             pending[b] -= 1
             if pending[b] <= 0 and b == w.next_bucket:
                 self._launch_ready()
+            elif self.hold_only_while_busy and b > w.next_bucket:
+                self._launch_ready()  # a ready held bucket may go if the wire went idle
             return
         if w is None:
             self.begin_backward(self.last_token)
@@ -373,19 +379,45 @@ class Reducer:
         which can only start after backward, shares the wire to the end and finishes
         last. Only the launch time moves: the buckets, their bytes and the values are
         the same.
+
+        How many to hold depends on the link: enough that what backward launched keeps
+        the wire busy until it ends. On a link that keeps up with backward, every
+        launched bucket lands early and a held one only waits on an idle wire.
+        ``hold_only_while_busy`` makes the hold follow the link: a held bucket that is
+        ready when every launched bucket has landed launches at once (at a later
+        gradient's hook, or when backward ends), so only the buckets that would have
+        queued behind the others wait. Whether a bucket has landed is read on the
+        compute thread, at the hooks: a launch from a completion callback would issue
+        collectives on another thread, in an order that may differ by rank. The
+        launch time of a held bucket then differs by rank, so the caller's collective
+        must run on another process group than the wrapper's (it should anyway: on
+        the same group it queues behind the buckets).
         """
         w = self.window
         assert w is not None
         buckets = self.buckets
         while (
-            w.next_bucket < len(buckets) - self.held
+            w.next_bucket < len(buckets)
             and w.pending[w.next_bucket] <= 0
             and not buckets[w.next_bucket].delayed  # launched by _flush, when backward ends
         ):
+            if w.next_bucket >= len(buckets) - self.held and not (
+                self.hold_only_while_busy and self._all_landed(w)
+            ):
+                break
             self._launch(w.next_bucket)
             w.next_bucket += 1
         if w.next_bucket == len(self.buckets) and self.find_unused and w.used_map_work is None:
             self._launch_used_map()
+
+    def _all_landed(self, w: _Window) -> bool:
+        """Whether every bucket launched so far has completed (never blocks)."""
+        works = w.works
+        while w.landed < w.next_bucket and (
+            (work := works[w.landed]) is None or work.is_completed()
+        ):
+            w.landed += 1
+        return w.landed == w.next_bucket
 
     def _launch(self, b: int) -> None:
         with phase("dp.bucket_launch"):  # the fill (or hook) and the all-reduce's issue
@@ -532,6 +564,8 @@ class Reducer:
             return
         w.ended = True
         if self.manual:
+            if self.hold_only_while_busy and not w.learning:
+                self._launch_ready()  # the wire may have gone idle since the last hook
             last = len(self.buckets) - 1
             if (
                 self.buckets[last].delayed

@@ -511,7 +511,7 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
             return ReductionHandle.completed("DataParallel gradients")
         return handle
 
-    def hold_last_buckets(self, n: int) -> None:
+    def hold_last_buckets(self, n: int, *, only_while_busy: bool = False) -> None:
         """Leave the last ``n`` buckets (the ones backward fills last) for
         `finalize_backward` to launch, instead of launching them in backward.
 
@@ -522,6 +522,12 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
         The gradients, their bytes and their values are unchanged. Manual finalization
         only: the automatic one launches every bucket when backward ends anyway.
         ``hold_last_buckets(0)`` releases. Call on every rank, between steps.
+
+        ``only_while_busy=True`` holds a bucket only while an earlier one is still in
+        flight: one that is ready when all have landed launches in backward, since
+        holding it would leave the wire idle. The hold then follows the link's speed
+        (on a fast link nothing waits); because the launch time then differs by rank,
+        run your collective on another process group than the wrapper's.
         """
         refuse_inside_backward("hold_last_buckets()", "backward reads it.", DataParallelError)
         buckets = len(self._reducer.buckets)
@@ -540,7 +546,13 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
             raise DataParallelError(
                 "hold_last_buckets() while reductions are pending; call finalize_backward() first."
             )
+        if not isinstance(only_while_busy, bool):
+            raise DataParallelError(
+                f"hold_last_buckets(n, only_while_busy=...) takes True or False; got "
+                f"{only_while_busy!r}."
+            )
         self._reducer.held = n
+        self._reducer.hold_only_while_busy = only_while_busy and n > 0
 
     @property
     def held_buckets(self) -> int:
@@ -549,7 +561,17 @@ class DataParallel(nn.Module, JoinableDataParallel, OverlapOptimizer):
 
     @held_buckets.setter
     def held_buckets(self, n: int) -> None:
-        self.hold_last_buckets(n)
+        self.hold_last_buckets(n, only_while_busy=self.holds_only_while_busy)
+
+    @property
+    def holds_only_while_busy(self) -> bool:
+        """Whether the held buckets wait only while an earlier one is in flight
+        (`hold_last_buckets`'s ``only_while_busy``)."""
+        return self._reducer.hold_only_while_busy
+
+    @holds_only_while_busy.setter
+    def holds_only_while_busy(self, flag: bool) -> None:
+        self.hold_last_buckets(self.held_buckets, only_while_busy=flag)
 
     @contextlib.contextmanager
     def split_backward(self, part: str) -> Iterator[None]:
