@@ -367,7 +367,7 @@ import json, sys
 from pathlib import Path
 from cadence.bench import run_bench
 record, path, _ = run_bench("step", tiny=True, out_dir=Path(sys.argv[1]),
-                            cases=["dense_adamw", "fsdp_adamw", "pipeline"])
+                            cases=["dense_adamw", "fsdp_adamw", "recommender", "pipeline"])
 """
 
 
@@ -407,6 +407,13 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
         lk = row["link"]
         assert lk["bytes"]["plain"] < 1024 or row["case"] == "pipeline", lk["bytes"]
         assert lk["bytes"]["cadence"] > 0 and lk["bytes"]["torch"] > 0
+        # The recommender's sparse exchange is counted apart, as part of every variant's
+        # bytes; no other case has an exchange that waits for the end of backward.
+        if row["case"] == "recommender":
+            assert 0 < lk["late_bytes"] < lk["bytes"]["cadence"], lk
+            assert 0 < lk["cadence"]["late_wire_ms"] < lk["cadence"]["wire_ms"]
+        else:
+            assert lk["late_bytes"] == 0, lk
         for v in ("cadence", "torch"):
             f = lk[v]
             assert f["serial_ms"] == pytest.approx(lk["compute_ms"] + f["wire_ms"])
@@ -416,6 +423,12 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
     # B = 5, O = 2, W = 20 in 4 pieces: max(10, 3 + 5/4 + 20 + 2/4) = 24.75.
     assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=20, pieces=4) == pytest.approx(24.75)
     assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4) == 10
+    # An exchange that starts only when backward ends (L = 4 of W = 6): max(10,
+    # 3 + 5/4 + 6 + 2/4, 3 + 5 + 4) = 12; as part of the wire alone it would be 10.75.
+    assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4, late=4) == 12
+    assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4) == 10.75
+    with pytest.raises(ValueError, match="within 0 and the wire time"):
+        bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4, late=2)
     # Sharded: g = W / (3 pieces) = 1; max(g + C, g + F + B + g + O/4, W + O/4) = 12.5.
     assert bound_ms("fsdp", c=10, f_=3, b=5, o=2, w=12, pieces=4) == pytest.approx(12.5)
     # Pipeline: max(C, F + s0 W + O/4, F - b0 + W + O/4) = max(10, 18.5, 27.5).

@@ -22,11 +22,11 @@ Cases:
   reduce-scatter is waited, later units still reducing); torch is FSDP2 +
   ``opt.step()`` (target <= 0.50).
 - ``recommender``: an ``EmbeddingBag(sparse=True)`` outside the wrapper feeding a dense
-  tower; ``cadence`` finalizes manually with its last buckets held
-  (``hold_last_buckets``): backward launches the others; the sparse all-reduce (on a
-  second group) goes on the wire next and is waited, then ``finalize_backward``
-  launches the held buckets, the sparse step runs while they fly, and each bucket's
-  dense SGD is stepped as it lands (``overlap_optimizer``); torch
+  tower; ``cadence`` finalizes manually with its last buckets held while the wire is
+  busy (``hold_last_buckets(3, only_while_busy=True)``): backward launches the others;
+  the sparse all-reduce (on a second group) goes on the wire next and is waited, then
+  ``finalize_backward`` launches the held buckets, the sparse step runs while they
+  fly, and each bucket's dense SGD is stepped as it lands (``overlap_optimizer``); torch
   runs the sparse half after DDP's backward (target <= 0.80), and torch's best the
   same order as cadence through DDP's own manual finalization, stepping the dense
   optimizer whole.
@@ -171,7 +171,9 @@ class _CaseProbe:
       detached tensors so that noting one costs no device synchronization.
     - What the bound of [Note: the bound perfect overlap allows] needs: the ``plain``
       variant's step cut in three (before its last backward, that backward, after
-      it), and ``meta`` (how many pieces the reduction comes in, a stage's bytes).
+      it), ``meta`` (how many pieces the reduction comes in, a stage's bytes), and
+      ``late``: the exchanges that cannot start before the last backward ends (the
+      recommender's sparse one), each a call whose bytes on the link are counted apart.
     - On a link, one traced step per variant (`trace`): what its timeline draws.
     """
 
@@ -181,6 +183,7 @@ class _CaseProbe:
         self.seen: dict[str, list[Any]] = {k: [] for k in (*VARIANTS, TORCH_BEST)}
         self.phases: list[list[float]] = []
         self.meta: dict[str, Any] = {}
+        self.late: dict[str, Callable[[], None]] = {}
         self._marks: list[float] = []
         # The traced step of each variant (see `trace`): its phase marks; and the log
         # of cadence's variant's collectives, which its wrapper records into.
@@ -419,11 +422,28 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     # way, so parameters stay equal to the other variants').
     towers["cadence"].overlap_optimizer(dense_opts["cadence"])
     # ... and the sparse exchange has the wire first: the buckets backward fills last
-    # wait for finalize, so the exchange, which can start only when backward reaches
-    # the embedding, is not queued behind every dense byte; the sparse step then runs
-    # while those buckets fly (see [Note: held buckets] in data_parallel/_reducer.py).
-    towers["cadence"].hold_last_buckets(min(spec["hold"], towers["cadence"].num_buckets))
+    # wait for finalize while the wire is busy, so the exchange, which can start only
+    # when backward reaches the embedding, is not queued behind every dense byte; the
+    # sparse step then runs while those buckets fly (see [Note: held buckets] in
+    # data_parallel/_reducer.py).
+    # Held only while the wire is busy: where it keeps up with backward, a held bucket
+    # that finds every launched one landed goes at once, as it would unheld.
+    towers["cadence"].hold_last_buckets(
+        min(spec["hold"], towers["cadence"].num_buckets), only_while_busy=True
+    )
     losses.meta["pieces"] = towers["cadence"].num_buckets
+    # The bound counts the sparse exchange's bytes apart: it can start only when
+    # backward ends (the embedding is the last gradient backward writes). Each call
+    # exchanges a fresh copy of one step's gradient, as every step does.
+    probe = copy.deepcopy(bag)
+    probe(ids).sum().backward()
+    assert probe.weight.grad is not None
+    one_grad = probe.weight.grad
+
+    def exchange_one() -> None:
+        sparse_comm.all_reduce(one_grad.clone(), op="avg")
+
+    losses.late["sparse"] = exchange_one
 
     def sparse_half(k: str) -> None:
         grad = bags[k].weight.grad
@@ -736,6 +756,7 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[
                      "phases": losses.phases[warmup:], "meta": losses.meta}  # fmt: skip
         if on_link:  # every rank reads the one shared counter; rank 0's is kept
             out[name]["wire_bytes"] = {k: _bytes_per_step(f, 3) for k, f in steps.items()}
+            out[name]["late_bytes"] = sum(_bytes_per_step(f, 3) for f in losses.late.values())
             out[name]["trace"] = losses.trace(steps)
         del steps, losses
     return out
