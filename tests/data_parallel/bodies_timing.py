@@ -438,6 +438,31 @@ def hold_last_buckets_misuse_is_refused() -> None:
     assert dp.held_buckets == 0 and not dp.holds_only_while_busy
 
 
+def _wire(state: dict[str, Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """A comm hook on a wire the test controls: the values travel at once (a blocking
+    all-reduce), and the future says when they land: at once while
+    ``state["delivers"]``, else when `_deliver` completes it. Records each launch with
+    how many gradients had accumulated by then."""
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    dist.all_reduce(buf)
+    state["launched"][bucket.index()] = state["accumulated"]
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if state["delivers"]:
+        fut.set_result(buf)
+    else:
+        state["pending"].append((fut, buf))
+    return fut
+
+
+def _deliver(state: dict[str, Any]) -> None:
+    """Every launched bucket lands; those launched from now on land at once."""
+    state["delivers"] = True
+    for fut, buf in state["pending"]:
+        if not fut.done():
+            fut.set_result(buf)
+
+
 def held_buckets_wait_only_while_busy() -> None:
     """hold_last_buckets(2, only_while_busy=True) with a comm hook whose futures the
     test completes: on a wire that keeps up (each future completes at once) the held
@@ -451,35 +476,22 @@ def held_buckets_wait_only_while_busy() -> None:
     ref = copy.deepcopy(model)
     F.mse_loss(ref(x), y).backward()
     for keeps_up in (True, False):
-        state: dict[str, Any] = {"delivers": keeps_up, "launched": [], "pending": []}
-
-        def hook(state: dict[str, Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
-            buf = bucket.buffer()
-            buf.div_(world)
-            dist.all_reduce(buf)  # the values travel now; the future says when they land
-            state["launched"].append(bucket.index())
-            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            if state["delivers"]:
-                fut.set_result(buf)
-            else:
-                state["pending"].append((fut, buf))
-            return fut
-
+        state: dict[str, Any] = {
+            "delivers": keeps_up, "launched": {}, "pending": [], "accumulated": 0
+        }  # fmt: skip
         dp = cadence.DataParallel(
             copy.deepcopy(model), bucket_cap_mb=0.001, first_bucket_cap_mb=None
         )
-        dp.register_comm_hook(state, hook)
+        dp.register_comm_hook(state, _wire)
         dp.require_manual_backward_finalization = True
         dp.hold_last_buckets(2, only_while_busy=True)
         assert dp.held_buckets == 2 and dp.holds_only_while_busy
         F.mse_loss(dp(xl), yl).backward()
         expected = dp.num_buckets if keeps_up else dp.num_buckets - 2
         assert len(state["launched"]) == expected, (keeps_up, state["launched"])
-        state["delivers"] = True  # the wire catches up
-        for fut, buf in state["pending"]:
-            fut.set_result(buf)
+        _deliver(state)  # the wire catches up
         dp.finalize_backward()
-        assert state["launched"] == list(range(dp.num_buckets)), state["launched"]
+        assert list(state["launched"]) == list(range(dp.num_buckets)), state["launched"]
         diff = max_abs_diff(strip(named_grads(dp)), named_grads(ref))
         assert diff < 1e-6, f"grads differ from the reference by {diff:.3e} ({keeps_up})"
 
@@ -499,18 +511,6 @@ def held_bucket_launches_in_backward_once_the_wire_goes_idle() -> None:
     params = list(dp.parameters())
     state: dict[str, Any] = {"accumulated": 0, "pending": [], "launched": {}, "delivers": False}
 
-    def hook(state: dict[str, Any], bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        buf = bucket.buffer()
-        buf.div_(world)
-        dist.all_reduce(buf)
-        state["launched"][bucket.index()] = state["accumulated"]  # how far backward was
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        if state["delivers"]:
-            fut.set_result(buf)
-        else:
-            state["pending"].append((fut, buf))
-        return fut
-
     def count(_: torch.Tensor) -> None:  # registered after the wrapper's: runs after it
         state["accumulated"] += 1
 
@@ -518,24 +518,21 @@ def held_bucket_launches_in_backward_once_the_wire_goes_idle() -> None:
         if state.get("caught_up"):
             return
         state["caught_up"] = True
-        for fut, buf in state["pending"]:
+        for fut, buf in state["pending"]:  # what is in flight lands; later launches do not
             fut.set_result(buf)
 
     for p in params:
         p.register_post_accumulate_grad_hook(count)
     for p in dp.module[0].parameters():  # the last bucket's: backward reaches it last
         p.register_post_accumulate_grad_hook(catch_up)
-    dp.register_comm_hook(state, hook)
+    dp.register_comm_hook(state, _wire)
     dp.require_manual_backward_finalization = True
     dp.hold_last_buckets(2, only_while_busy=True)
     F.mse_loss(dp(xl), yl).backward()
     held_first = dp.num_buckets - 2
     assert held_first in state["launched"], f"the held bucket waited: {state['launched']}"
     assert state["launched"][held_first] < len(params), state["launched"]
-    state["delivers"] = True  # what finalize launches lands at once
-    for fut, buf in state["pending"]:
-        if not fut.done():
-            fut.set_result(buf)
+    _deliver(state)
     dp.finalize_backward()
     assert sorted(state["launched"]) == list(range(dp.num_buckets)), state["launched"]
 

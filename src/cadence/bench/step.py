@@ -425,8 +425,7 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     # wait for finalize while the wire is busy, so the exchange, which can start only
     # when backward reaches the embedding, is not queued behind every dense byte; the
     # sparse step then runs while those buckets fly (see [Note: held buckets] in
-    # data_parallel/_reducer.py).
-    # Held only while the wire is busy: where it keeps up with backward, a held bucket
+    # data_parallel/_reducer.py). Where the wire keeps up with backward, a held bucket
     # that finds every launched one landed goes at once, as it would unheld.
     towers["cadence"].hold_last_buckets(
         min(spec["hold"], towers["cadence"].num_buckets), only_while_busy=True
