@@ -358,16 +358,22 @@ def torch_ddp_comm_hook_runs_unchanged() -> None:
     assert diff < 1e-6, f"grads differ from the reference by {diff:.3e}"
 
 
+def _model_batch_and_reference() -> tuple[nn.Module, torch.Tensor, torch.Tensor, nn.Module]:
+    """The held-bucket scenarios' model, this rank's batch, and a copy of the model
+    after one single-process backward on the world batch (the reference)."""
+    model = make_mlp()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = global_batch(0, world)
+    ref = copy.deepcopy(model)
+    F.mse_loss(ref(x), y).backward()
+    return model, local(x, rank, world), local(y, rank, world), ref
+
+
 def held_buckets_launch_at_finalize_after_the_callers_collective() -> None:
     """hold_last_buckets(2): backward launches all but the last two; a collective the
     caller issues in between goes first; finalize launches the two; the gradients are
     the unheld run's, bit for bit, and the reference's."""
-    model = make_mlp()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = global_batch(0, world)
-    xl, yl = local(x, rank, world), local(y, rank, world)
-    ref = copy.deepcopy(model)
-    F.mse_loss(ref(x), y).backward()
+    model, xl, yl, ref = _model_batch_and_reference()
     runs = {}
     for held in (0, 2):
         log = cadence.EventLog()
@@ -469,12 +475,7 @@ def held_buckets_wait_only_while_busy() -> None:
     buckets find every launched one landed and launch in backward; on one that has
     not delivered (the futures stay pending) they wait, as a plain hold; finalize
     launches what is held, in bucket order; the gradients are the reference's."""
-    model = make_mlp()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = global_batch(0, world)
-    xl, yl = local(x, rank, world), local(y, rank, world)
-    ref = copy.deepcopy(model)
-    F.mse_loss(ref(x), y).backward()
+    model, xl, yl, ref = _model_batch_and_reference()
     for keeps_up in (True, False):
         state: dict[str, Any] = {
             "delivers": keeps_up, "launched": {}, "pending": [], "accumulated": 0
@@ -503,10 +504,7 @@ def held_bucket_launches_in_backward_once_the_wire_goes_idle() -> None:
     first layer's two gradients, whichever autograd accumulates first), and the hook
     of the other launches the held bucket, still inside backward, before the last
     parameter's gradient has accumulated."""
-    model = make_mlp()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = global_batch(0, world)
-    xl, yl = local(x, rank, world), local(y, rank, world)
+    model, xl, yl, _ = _model_batch_and_reference()
     dp = cadence.DataParallel(copy.deepcopy(model), bucket_cap_mb=0.001, first_bucket_cap_mb=None)
     params = list(dp.parameters())
     state: dict[str, Any] = {"accumulated": 0, "pending": [], "launched": {}, "delivers": False}
