@@ -20,7 +20,23 @@ The primary lane is the longest and closest to CI's budget. A test marked
 ``other_lane`` exercises, at a cost of tens of seconds, what both lanes share: torchrun
 agents as emulated nodes, world-4 variants of a path whose world-2 cases run on every
 lane. ``./dev test`` runs it on the lanes other than the primary one (today 2.13), so
-each CI run still runs it once. Run by hand (no lane set), everything runs.
+each CI run still runs it once; a run of the primary lane alone (``CADENCE_LANES=2.15``)
+runs it there. Run by hand (no lane set), everything runs.
+
+[Note: one lane runs each end-to-end run of cadence train]
+A module marked ``one_lane`` runs ``cadence train`` end to end (the CLI under torchrun
+or the launcher, or the train loop in launched ranks: checkpoints, resume, faults,
+exports, user models) and costs tens of seconds a file: together about 350 s of a
+lane's 1250 on a slow 2-core machine. Everything such a run drives (DataParallel,
+fully_shard, the pipeline runtime, the pickler) is tested on every lane in its own
+folder, so a torch release that breaks a layer fails there; so are the checkpoint's
+integrity checks (hostile files) and ``--compile``, whose torch APIs move. Each
+test of such a module runs on one lane of the run (``CADENCE_RUN_LANES``, which
+``./dev test`` sets): the lane at the CRC-32 of its node id modulo the number of lanes.
+The choice is stable from run to run, spreads a module's tests (and the variants of
+one test) over the lanes, and halves the cost per lane with two; a run of one lane,
+or by hand, runs them all. The cheap unit tests of such a module are split too: a
+mark per module keeps the rule visible where the tests are.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +90,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "other_lane: costly and alike on every lane; the primary lane skips it (budget)",
     )
+    config.addinivalue_line(
+        "markers",
+        "one_lane: an end-to-end run of cadence train; one lane of the run runs it (budget)",
+    )
     if config.getoption("--torch-free") == "only":
         if any(m == "torch" or m.startswith("torch.") for m in sys.modules):
             raise pytest.UsageError("--torch-free=only: torch was imported before the tests")
@@ -96,15 +117,35 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+def _lanes() -> tuple[str | None, str | None, list[str]]:
+    """(this lane, the primary lane, every lane of this ``./dev test`` run); Nones and
+    an empty list when run by hand."""
+    lane, primary = os.environ.get("CADENCE_TORCH_LANE"), os.environ.get("CADENCE_PRIMARY_LANE")
+    run = os.environ.get("CADENCE_RUN_LANES", "").split()
+    return lane, primary, run
+
+
 def _other_lane() -> bool:
     """Whether ``./dev test`` runs this session on a lane other than the primary one."""
-    lane, primary = os.environ.get("CADENCE_TORCH_LANE"), os.environ.get("CADENCE_PRIMARY_LANE")
+    lane, primary, _ = _lanes()
     return lane is not None and primary is not None and lane != primary
 
 
-def _primary_lane() -> bool:
-    lane, primary = os.environ.get("CADENCE_TORCH_LANE"), os.environ.get("CADENCE_PRIMARY_LANE")
-    return lane is not None and lane == primary
+def lane_keeps(markers: set[str], nodeid: str) -> bool:
+    """Whether this lane runs a test with these marker names: [Note: benchmark tests run
+    on the primary lane only], [Note: costly launcher tests run on the other lane only]
+    and [Note: one lane runs each end-to-end run of cadence train]."""
+    lane, primary, run = _lanes()
+    if lane is None or primary is None:
+        return True  # run by hand: everything runs
+    if "primary_lane" in markers and lane != primary:
+        return False
+    if "other_lane" in markers:  # it decides over one_lane (a module's mark)
+        # Where this run's lanes are known and none is another, the primary takes it.
+        return lane != primary or all(x == primary for x in run or ["?"])
+    if "one_lane" in markers and lane in run:
+        return run[zlib.crc32(nodeid.encode()) % len(run)] == lane
+    return True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -113,10 +154,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if mode is not None:
         keep = mode == "only"
         selected = [i for i in selected if (i.get_closest_marker("torch_free") is not None) == keep]
-    if _other_lane():  # see [Note: benchmark tests run on the primary lane only]
-        selected = [i for i in selected if i.get_closest_marker("primary_lane") is None]
-    elif _primary_lane():  # see [Note: costly launcher tests run on the other lane only]
-        selected = [i for i in selected if i.get_closest_marker("other_lane") is None]
+    selected = [i for i in selected if lane_keeps({m.name for m in i.iter_markers()}, i.nodeid)]
     if len(selected) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in selected])
         items[:] = selected

@@ -84,3 +84,55 @@ def test_only_the_primary_lane_runs_the_benchmark_tests(monkeypatch: pytest.Monk
             else:
                 monkeypatch.setenv(name, value)
         assert _other_lane() is other, (lane, primary)
+
+
+def _set_lanes(monkeypatch: pytest.MonkeyPatch, lane: str | None, run: str | None) -> None:
+    values = {
+        "CADENCE_TORCH_LANE": lane,
+        "CADENCE_PRIMARY_LANE": None if lane is None else PRIMARY_TORCH,
+        "CADENCE_RUN_LANES": run,
+    }
+    for name, value in values.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+
+def test_each_one_lane_test_runs_on_exactly_one_lane_of_a_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """See [Note: one lane runs each end-to-end run of cadence train] in tests/conftest.py."""
+    from tests.conftest import lane_keeps
+
+    dev = (ROOT / "dev").read_text()
+    assert 'CADENCE_RUN_LANES="$lanes"' in dev
+    run = f"{PRIMARY_TORCH} 2.13"
+    ids = [f"tests/train/test_x.py::test_{i}[v{i % 3}]" for i in range(200)]
+    kept: dict[str, set[str]] = {}
+    for lane in run.split():
+        _set_lanes(monkeypatch, lane, run)
+        kept[lane] = {n for n in ids if lane_keeps({"one_lane"}, n)}
+        assert all(lane_keeps(set(), n) for n in ids)  # unmarked: every lane
+    assert kept[PRIMARY_TORCH].isdisjoint(kept["2.13"])
+    assert kept[PRIMARY_TORCH] | kept["2.13"] == set(ids)
+    assert 60 < len(kept[PRIMARY_TORCH]) < 140, len(kept[PRIMARY_TORCH])  # spread, not lumped
+    for lane, alone in ((PRIMARY_TORCH, PRIMARY_TORCH), ("2.13", "2.13"), (None, None)):
+        _set_lanes(monkeypatch, lane, alone)  # one lane, or by hand: all of them
+        assert all(lane_keeps({"one_lane"}, n) for n in ids), (lane, alone)
+
+
+def test_other_lane_tests_run_once_in_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """See [Note: costly launcher tests run on the other lane only]: on the other lane
+    when the run has one, else on the primary; a module's one_lane mark does not
+    override it."""
+    from tests.conftest import lane_keeps
+
+    run = f"{PRIMARY_TORCH} 2.13"
+    for marks in ({"other_lane"}, {"other_lane", "one_lane"}):
+        _set_lanes(monkeypatch, PRIMARY_TORCH, run)
+        assert not lane_keeps(marks, "t::a")
+        _set_lanes(monkeypatch, "2.13", run)
+        assert lane_keeps(marks, "t::a")
+        _set_lanes(monkeypatch, PRIMARY_TORCH, PRIMARY_TORCH)
+        assert lane_keeps(marks, "t::a")

@@ -60,6 +60,8 @@ from tests.train.bodies_activation_checkpoint import BASE, body_ac, body_resume
 from tests.train.bodies_models import HF, LLAMA
 from tests.train.user_models import Plain
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 # -- the same numbers, every layout --------------------------------------------
 
 

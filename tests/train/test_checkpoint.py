@@ -19,6 +19,8 @@ from cadence.launch import LaunchError
 from cadence.testing import run_distributed
 from tests.train.bodies_checkpoint import body_resume, body_rng_round_trip, body_train
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 
 @pytest.mark.parametrize(
     "flags",

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from cadence.cli import main
 from cadence.testing import run_distributed
@@ -26,6 +27,8 @@ from cadence.train.config import TrainConfig
 from cadence.train.config_file import read_config_file
 from tests.train.bodies_checkpoint import body_resume
 from tests.train.test_data import write_nanogpt
+
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
 
 SMALL = ["--nproc", "2", "--batch-size", "8", "--d-model", "16", "--layers", "2"]
 

@@ -27,6 +27,8 @@ import torch
 from cadence.testing import run_distributed
 from tests.train.bodies_export import BASE, body_export
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 LAYOUTS_2 = {"dp": {}, "fsdp": {"fsdp": True}, "pp2": {"pp": 2}}
 LAYOUTS_4 = {"pp2xfsdp2": {"pp": 2, "fsdp": True}, "hsdp2x2": {"fsdp": True, "dp_replicate": 2}}
 

@@ -28,6 +28,8 @@ from cadence.cli import main
 from cadence.launch import LaunchError, launch
 from tests.train.bodies_checkpoint import BASE, body_faulty
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--batch-size", "8", "--d-model", "16", "--layers", "2"]
 

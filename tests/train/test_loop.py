@@ -16,6 +16,8 @@ import pytest
 from cadence.testing import run_distributed
 from tests.train.bodies_train import body_layouts
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 WORLD2 = [
     {},
     {"finalize": "manual"},

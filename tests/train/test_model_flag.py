@@ -39,6 +39,8 @@ from cadence.train.config_file import read_config_file
 from cadence.train.report import write_config
 from tests.train.bodies_models import HF, HF_CONFIG, LLAMA, body_models
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 U = "tests.train.user_models"
 BASE = ["train", "--nproc", "2", "--batch-size", "8", "--steps", "2"]
 HF_JSON = json.dumps(HF_CONFIG)

@@ -27,6 +27,8 @@ from cadence.train.report import write_metrics
 from cadence.train.run import _timeline_note
 from tests.train.bodies_reports import body_reports
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 
 def _log(steps: int, per_step: int) -> EventLog:
     log = EventLog()

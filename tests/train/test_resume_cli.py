@@ -13,7 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from cadence.cli import main
+
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
 
 SMALL = ["--nproc", "2", "--batch-size", "8", "--d-model", "16", "--layers", "2"]
 

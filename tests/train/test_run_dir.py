@@ -28,6 +28,8 @@ from cadence.cli import main
 from cadence.train._errors import TrainConfigError
 from cadence.train.checkpoint import ResumeRefusedError, find_latest
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 SMALL = ["--nproc", "2", "--batch-size", "8", "--d-model", "16", "--layers", "2"]
 
 

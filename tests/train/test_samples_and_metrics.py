@@ -30,6 +30,8 @@ from cadence.train.config import TrainConfig
 from cadence.train.metrics import flop_params
 from tests.train.bodies_clip import body_run
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 TEXT = "def hello(name):\n    return f'hello {name}'\n" * 200
 
 

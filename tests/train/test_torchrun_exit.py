@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.one_lane  # [Note: one lane runs each end-to-end run of cadence train]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _SCRIPT = r"""

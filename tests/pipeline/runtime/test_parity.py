@@ -69,6 +69,7 @@ def test_parity_every_schedule_world2():
 
 
 @pytest.mark.slow
+@pytest.mark.other_lane  # [Note: costly launcher tests run on the other lane only]
 def test_parity_every_schedule_world4():
     results = run_distributed(body_parity, configs(4), world_size=4, timeout=240)
     _check(results, 4)
