@@ -82,8 +82,10 @@ ROOMS: dict[str, set[str]] = {
     "_grad_timing/": {"errors.py", "comm.py"},
     "_modules/": set(),
     "topology.py": {"errors.py"},
-    "launch.py": {"errors.py", "_util/", "pickling/"},
+    "launch.py": {"errors.py", "_util/", "pickling/", "_warm.py"},
     "_worker.py": {"__init__.py"},  # cadence.init() in a launched rank
+    "_warm.py": {"errors.py"},  # starts _fork_server.py by its command line
+    "_fork_server.py": set(),  # preloads and runs the worker by name (importlib, runpy)
     "testing.py": {"errors.py", "launch.py"},
     # Rooms.
     "pickling/": {"errors.py"},
@@ -155,6 +157,7 @@ TORCH_FREE: dict[str, str] = {
     "errors.py": NEVER,
     "_util/": NEVER,
     "launch.py": NEVER,  # imported eagerly by cadence/__init__.py
+    "_warm.py": NEVER,  # the launcher's side; the fork server imports torch
     "pickling/": NEVER,
     "link/": NEVER,  # namespaces and tc: plain Linux plumbing
     "pipeline/__init__.py": ON_CALL,

@@ -1,8 +1,11 @@
 """A local multi-process launcher: ``cadence.launch(fn, *args, nprocs=N)``.
 
-Each rank is a fresh interpreter (``python -m cadence._worker``), not a fork, so
-CUDA and gloo state never leak between ranks and ``__main__`` closures work:
-the function travels by value through `cadence.pickling`.
+Each rank is a fresh interpreter (``python -m cadence._worker``), not a fork of the
+caller, so CUDA and gloo state never leak between ranks and ``__main__`` closures
+work: the function travels by value through `cadence.pickling`. With
+``start="warm"`` (what `cadence.testing.run_distributed` uses) a rank is forked
+from a server that has only imported torch and cadence, never initialized CUDA or
+a group, so the same holds (see [Note: warm ranks] in ``cadence/_warm.py``).
 
 Every rank of one launch gets the same fresh ``CADENCE_JOB_SECRET`` in its
 environment (see [Note: the job secret]) unless ``env`` sets one. The work folder the
@@ -29,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cadence._util import job_secret as _job_secret
 from cadence.errors import CadenceRuntimeError, CadenceValueError
@@ -87,6 +90,17 @@ class LaunchError(CadenceRuntimeError):
         return "\n".join(lines)
 
 
+class _Rank(Protocol):
+    """What the supervisor needs of a rank: a ``subprocess.Popen`` or a `_warm.WarmRank`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 def _loopback_interface() -> str | None:
     """The loopback interface's name ("lo" on Linux, "lo0" on BSD and macOS), if any.
 
@@ -132,6 +146,7 @@ def launch(
     init_process_group: bool = True,
     num_threads: int | None = None,
     env: dict[str, str] | None = None,
+    start: str = "fresh",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks and return their results.
@@ -146,6 +161,11 @@ def launch(
         num_threads: ``torch.set_num_threads`` in each rank (tests use 1).
         env: extra environment variables for the ranks. ``CADENCE_JOB_SECRET`` is a
             new secret per launch unless set here.
+        start: ``"fresh"``, each rank a new interpreter; or ``"warm"``, each rank
+            forked from a server that has imported torch once (about 2 s less per
+            rank; a test suite's choice; see [Note: warm ranks] in
+            ``cadence/_warm.py``). Environment read when torch is imported is then
+            the server's, taken when it started.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -155,6 +175,8 @@ def launch(
     """
     if not isinstance(nprocs, int) or nprocs < 1:
         raise CadenceValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if start not in ("fresh", "warm"):
+        raise CadenceValueError(f'start must be "fresh" or "warm", got {start!r}')
     # mkdtemp makes the folder 0700, owned by this user, under a name nobody could
     # guess and create first: ranks unpickle what is in it.
     with tempfile.TemporaryDirectory(prefix="cadence-launch-") as tmp:
@@ -189,10 +211,15 @@ def launch(
             base_env.setdefault("GLOO_SOCKET_IFNAME", loopback)
         if num_threads is not None:
             base_env["OMP_NUM_THREADS"] = str(num_threads)
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[_Rank] = []
         try:
             for rank in range(nprocs):
                 rank_env = dict(base_env, RANK=str(rank), LOCAL_RANK=str(rank))
+                if start == "warm":
+                    from cadence import _warm
+
+                    procs.append(_warm.start_rank(work, rank, rank_env))
+                    continue
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "cadence._worker", str(work), str(rank)],
@@ -209,7 +236,7 @@ def launch(
         return results
 
 
-def _failure_of(rank: int, proc: subprocess.Popen[bytes], work: Path) -> RankFailure:
+def _failure_of(rank: int, proc: _Rank, work: Path) -> RankFailure:
     err = work / f"error.{rank}"
     if err.exists():
         info = pickle.loads(err.read_bytes())
@@ -244,7 +271,7 @@ def _failed_at(work: Path, rank: int) -> float:
     return float("-inf")
 
 
-def _poll(procs: list[subprocess.Popen[bytes]], work: Path) -> tuple[list[int], list[int]]:
+def _poll(procs: list[_Rank], work: Path) -> tuple[list[int], list[int]]:
     """(running ranks, failed ranks). A rank that wrote its error is failed even while
     it is still tearing down."""
     running, failed = [], []
@@ -257,7 +284,7 @@ def _poll(procs: list[subprocess.Popen[bytes]], work: Path) -> tuple[list[int], 
     return running, failed
 
 
-def _failed_ranks(procs: list[subprocess.Popen[bytes]], work: Path) -> list[int]:
+def _failed_ranks(procs: list[_Rank], work: Path) -> list[int]:
     """Every failed rank, after a short settling time.
 
     A SIGKILLed rank closes its sockets before its exit status can be read, so its
@@ -268,7 +295,7 @@ def _failed_ranks(procs: list[subprocess.Popen[bytes]], work: Path) -> list[int]
     return _poll(procs, work)[1]
 
 
-def _supervise(procs: list[subprocess.Popen[bytes]], work: Path, timeout: float) -> None:
+def _supervise(procs: list[_Rank], work: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         running, failed = _poll(procs, work)
@@ -300,7 +327,7 @@ def _supervise(procs: list[subprocess.Popen[bytes]], work: Path, timeout: float)
         time.sleep(_POLL_S)
 
 
-def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+def _stop_all(procs: list[_Rank]) -> None:
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
         _signal_group(p, signal.SIGTERM)
@@ -316,7 +343,7 @@ def _stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
         _signal_group(p, signal.SIGKILL)
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: _Rank, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -49,3 +49,22 @@ def env_and_threads() -> dict[str, Any]:
         # cadence.init() after the launcher initialised: reuses the default group.
         "init_world": cadence.init().world_size,
     }
+
+
+def identity() -> dict[str, Any]:
+    """Where and how this rank runs: its environment, folder, session and parent."""
+    return {
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "pid": os.getpid(),
+        "sid": os.getsid(0),
+        "parent": os.getppid(),
+    }
+
+
+def say(word: str) -> None:
+    import sys
+
+    print(f"{word} from rank {dist.get_rank()}", flush=True)
+    if dist.get_rank() == 1:
+        print(f"{word} on stderr from rank 1", file=sys.stderr, flush=True)

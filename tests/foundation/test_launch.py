@@ -26,9 +26,13 @@ def test_results_and_environment(env3: list[dict[str, Any]]) -> None:
         assert r["backend"] == "gloo"
 
 
-def test_a_raising_rank_stops_all_and_names_itself() -> None:
+STARTS = pytest.mark.parametrize("start", ["fresh", "warm"])  # see cadence/_warm.py
+
+
+@STARTS
+def test_a_raising_rank_stops_all_and_names_itself(start: str) -> None:
     with pytest.raises(cadence.LaunchError) as info:
-        run_distributed(bodies_launch.raise_on_rank1, world_size=2, timeout=120)
+        run_distributed(bodies_launch.raise_on_rank1, world_size=2, timeout=120, start=start)
     err = info.value
     assert isinstance(err, cadence.CadenceError)
     assert err.rank == 1
@@ -40,18 +44,24 @@ def test_a_raising_rank_stops_all_and_names_itself() -> None:
     assert err.others[0].reason in ("stopped by the launcher", "raised")
 
 
-def test_a_dying_rank_stops_all() -> None:
+@STARTS
+def test_a_dying_rank_stops_all(start: str) -> None:
     with pytest.raises(cadence.LaunchError) as info:
-        run_distributed(bodies_launch.exit_on_rank1, world_size=2, timeout=60)
+        run_distributed(bodies_launch.exit_on_rank1, world_size=2, timeout=60, start=start)
     assert info.value.rank == 1
     assert info.value.failure.exit_code == 3
     assert "exited with code 3" in str(info.value)
 
 
-def test_a_hanging_rank_times_out_and_no_process_is_left(tmp_path: Path) -> None:
+@STARTS
+def test_a_hanging_rank_times_out_and_no_process_is_left(tmp_path: Path, start: str) -> None:
     with pytest.raises(cadence.LaunchError) as info:
         run_distributed(
-            bodies_launch.write_pid_then_hang, str(tmp_path / "pid"), world_size=2, timeout=8
+            bodies_launch.write_pid_then_hang,
+            str(tmp_path / "pid"),
+            world_size=2,
+            timeout=8,
+            start=start,
         )
     failures = [info.value.failure, *info.value.others]
     assert [f.reason for f in failures] == ["timeout", "timeout"]
@@ -69,9 +79,10 @@ def test_a_hanging_rank_times_out_and_no_process_is_left(tmp_path: Path) -> None
             os.kill(pid, 0)  # type: ignore[arg-type]
 
 
-def test_collective_hang_is_reported_with_the_hung_ranks() -> None:
+@STARTS
+def test_collective_hang_is_reported_with_the_hung_ranks(start: str) -> None:
     with pytest.raises(cadence.LaunchError) as info:
-        run_distributed(bodies_launch.hang_forever, world_size=2, timeout=8)
+        run_distributed(bodies_launch.hang_forever, world_size=2, timeout=8, start=start)
     ranks = {info.value.rank, *(o.rank for o in info.value.others)}
     assert ranks == {0, 1}
 
