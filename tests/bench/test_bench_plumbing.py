@@ -401,6 +401,12 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
         assert set(trace) == set(row["abs_ms"])
         assert all(len(t["marks"]) == 4 for t in trace.values()), trace
         assert trace["cadence"]["events"], "cadence's wrapper logged no collective"
+        # The wire sampled through each traced step (rank 0): readings every half
+        # millisecond, the bytes never falling, and some bytes where the step sent any.
+        for v, t in trace.items():
+            times, got = [x for x, _ in t["wire"]], [b for _, b in t["wire"]]
+            assert len(times) >= 2 and times == sorted(times) and got == sorted(got), v
+        assert trace["cadence"]["wire"][-1][1] > 0
         assert (path.parent / f"{path.stem}-{row['case']}-timeline.png").read_bytes()[:4] == (
             b"\x89PNG"
         )
@@ -440,6 +446,21 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
         for r in record["rows"]]}  # fmt: skip
     table = _link_tables(linked)
     assert "**calibrated**" in table and "| dense_adamw | 0.5 Gbit/s" in table
+
+
+def test_wire_utilization_spreads_bytes_over_time_per_bin() -> None:
+    from cadence.bench._wire_trace import utilization
+
+    # 8 kbit/s over 2 ms bins is 2 bytes a bin. 4 bytes in the first 2 ms: the first
+    # bin full (capped at 1); then nothing for 2 ms; then 1 byte spread over 2 ms.
+    samples = [(0.0, 0), (0.002, 4), (0.004, 4), (0.006, 5)]
+    got = utilization(samples, rate_bps=8000.0, bin_s=0.002)
+    assert [round(t, 6) for t, _ in got] == [0.0, 0.002, 0.004]
+    assert [u for _, u in got] == pytest.approx([1.0, 0.0, 0.5])
+    # Readings across a bin edge split their bytes by time: 2 bytes over 1-3 ms.
+    got = utilization([(0.0, 0), (0.001, 0), (0.003, 2), (0.004, 2)], 8000.0, 0.002)
+    assert [u for _, u in got] == pytest.approx([0.5, 0.5])
+    assert utilization([(0.0, 0)], 8000.0) == [] and utilization(samples, 0.0) == []
 
 
 def test_a_case_on_a_link_carries_four_times_the_batch() -> None:

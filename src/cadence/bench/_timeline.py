@@ -6,14 +6,18 @@ traced after the timed ones, on rank 0's clock from the step's start. Under cade
 lane, each collective its wrapper issued is a bar from issue to the end of its wait
 (in flight: lighter; the part spent blocked in ``wait()``: darker), so a picture shows
 what overlapped and what was exposed. torch's wrappers keep no such log: their lanes
-show the phases only. A dashed line marks the bound perfect overlap allows (see
-`cadence.bench._bound`).
+show the phases only. Under every variant's phases, a grey strip shows the link's
+wire through that step (`cadence.bench._wire_trace`): the darker, the more of the
+link's rate its bytes used in each 2 ms, every rank's together. A dashed line marks
+the bound perfect overlap allows (see `cadence.bench._bound`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from cadence.bench._wire_trace import BIN_S, utilization
 
 __all__ = ["write_timeline"]
 
@@ -64,12 +68,17 @@ def write_timeline(row: dict[str, Any], path: Path, title: str) -> Path | None:
             groups = sorted({e[1] for e in events})
             for g in groups:
                 lanes.append((f"  {g} collectives", "events", [e for e in events if e[1] == g]))
+    rate = float(row.get("link", {}).get("rate_bps") or 0.0)
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(lanes) + 1.6))
-    for y, (_, kind, payload) in enumerate(reversed(lanes)):
+    for y, (label, kind, payload) in enumerate(reversed(lanes)):
         if kind == "phases":
             marks = payload
             for (_, color), a, b in zip(_PHASES, marks, marks[1:], strict=False):
-                ax.barh(y, 1e3 * (b - a), left=1e3 * a, color=color, height=0.7)
+                ax.barh(y + 0.08, 1e3 * (b - a), left=1e3 * a, color=color, height=0.54)
+            for start, used in utilization(trace[label].get("wire", []), rate):
+                if used > 0.02:
+                    ax.barh(y - 0.29, 1e3 * BIN_S, left=1e3 * start, height=0.12,
+                            color=str(round(1.0 - 0.85 * used, 3)), lw=0)  # fmt: skip
         else:
             rows = _pack(payload)
             n = max(1, max(rows, default=0) + 1)
@@ -88,8 +97,10 @@ def write_timeline(row: dict[str, Any], path: Path, title: str) -> Path | None:
         ax.axvline(link["compute_ms"], ls=":", color="grey", lw=1)
     handles = [Rectangle((0, 0), 1, 1, color=c) for _, c in _PHASES]
     handles += [Rectangle((0, 0), 1, 1, color=c) for c in ("#a1d99b", "#31a354")]
+    handles.append(Rectangle((0, 0), 1, 1, color="0.15"))
     names = [n for n, _ in _PHASES] + ["collective in flight", "blocked in wait()"]
-    ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5,
+    names.append("wire busy (darker: more of the rate)")
+    ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3,
               fontsize=8, frameon=False)  # fmt: skip
     ax.set_xlabel("ms from the step's start (rank 0); dashed: bound, dotted: compute alone")
     ax.set_title(title, fontsize=10)

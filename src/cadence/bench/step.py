@@ -200,17 +200,25 @@ class _CaseProbe:
 
     def trace(self, steps: Steps) -> dict[str, Any]:
         """One more step of every variant, one after the other, with every variant's
-        phase marks and cadence's collectives kept, times relative to each step's start:
-        what a timeline picture draws."""
+        phase marks and cadence's collectives kept, times relative to each step's start,
+        and on rank 0 the link's bytes sampled through it (`_wire_trace`): what a
+        timeline picture draws."""
         import torch.distributed as dist
+
+        from cadence.bench._wire_trace import WireSampler
 
         self.tracing = True
         out: dict[str, dict[str, list[Any]]] = {}
         for k, fn in steps.items():
             dist.barrier()
             t0 = time.perf_counter()
-            fn()
-            out[k] = {"marks": [t - t0 for t in self.traced.get(k, [])]}
+            wire = WireSampler(t0)
+            if dist.get_rank() == 0:  # the one counter holds every rank's bytes
+                with wire:
+                    fn()
+            else:
+                fn()
+            out[k] = {"marks": [t - t0 for t in self.traced.get(k, [])], "wire": wire.samples}
             if k == "cadence":
                 out[k]["events"] = [
                     (
