@@ -26,13 +26,14 @@ runs it there. Run by hand (no lane set), everything runs.
 [Note: one lane runs each end-to-end run of cadence train]
 A module marked ``one_lane`` runs ``cadence train`` end to end (the CLI under torchrun
 or the launcher, or the train loop in launched ranks: checkpoints, resume, faults,
-exports, user models) and costs tens of seconds a file: together about 350 s of a
-lane's 1250 on a slow 2-core machine. Everything such a run drives (DataParallel,
-fully_shard, the pipeline runtime, the pickler) is tested on every lane in its own
-folder, so a torch release that breaks a layer fails there; so are the checkpoint's
-integrity checks (hostile files) and ``--compile``, whose torch APIs move. Each
-test of such a module runs on one lane of the run (``CADENCE_RUN_LANES``, which
-``./dev test`` sets): the lane at the CRC-32 of its node id modulo the number of lanes.
+exports, user models) and costs tens of seconds a file: together about 350 s of the
+1260 s a lane took on a slow 2-core machine before warm ranks. Everything such a run
+drives (DataParallel, fully_shard, the pipeline runtime, the pickler) is tested on
+every lane in its own folder, so a torch release that breaks a layer fails there; so
+are the checkpoint's integrity checks (hostile files) and ``--compile``, whose torch
+APIs move. Each test of such a module runs on one lane of the run
+(``CADENCE_RUN_LANES``, which ``./dev test`` sets): the lane at the CRC-32 of its node
+id modulo the number of lanes.
 The choice is stable from run to run, spreads a module's tests (and the variants of
 one test) over the lanes, and halves the cost per lane with two; a run of one lane,
 or by hand, runs them all. The cheap unit tests of such a module are split too: a

@@ -495,7 +495,12 @@ def _link_tables(record: dict[str, Any], page_dir: Path | None = None) -> str:
             )
     pictures = [(r["case"], r["rate"], r["timeline"]) for r in record["rows"] if r.get("timeline")]
     if pictures and page_dir is not None:
-        lines.append("\nOne traced step per variant, per case and rate (rank 0's clock):\n")
+        lines.append(
+            "\nOne traced step per variant, per case and rate (rank 0's clock). Under each "
+            "variant's phases, where a record has it, a grey strip shows the link's wire "
+            "through that step: the darker, the more of the rate every rank's bytes used in "
+            "each 2 ms.\n"
+        )
         folder = Path(record.get("_path", "")).parent
         for case, rate, name in pictures:
             rel = os.path.relpath((folder / name).resolve(), page_dir.resolve())
