@@ -6,14 +6,13 @@ A fresh rank spends most of its start importing torch (about 2 s of CPU for a CU
 build), and a test suite launches ranks hundreds of times. ``launch(start="warm")``
 asks a fork server instead: one interpreter per launching process, started on first
 use (``python -m cadence._fork_server``), that imports torch, torch.distributed and
-cadence and then only forks. Each child is what ``python -m cadence._worker`` would be:
-its own session (so stopping it stops what it started), the launch's environment,
-working folder and stdout/stderr (the launcher's own descriptors at that moment,
-sent over the socket), then the worker's command line (``cadence._worker``, run as
-``python -m`` would). What it inherits beyond a fresh
-rank is the imported modules and nothing else: the server never initializes CUDA,
-a process group or torch's thread pools, and stays single-threaded, so a fork of it
-is safe. Environment read at import time (``OMP_NUM_THREADS`` by the OpenMP runtime)
+cadence and then only forks. Each child is what ``python -m cadence._worker`` would
+be: its own session (so stopping it stops what it started), the launch's
+environment, working folder and stdout/stderr (the launcher's descriptors 1 and 2 at
+that moment, sent over the socket, as a fresh rank inherits them), then the worker's
+command line, run as ``python -m`` would. What it inherits beyond a fresh rank is the
+imported modules and nothing else: the server never initializes CUDA, a process
+group or torch's thread pools, and stays single-threaded, so a fork of it is safe. Environment read at import time (``OMP_NUM_THREADS`` by the OpenMP runtime)
 is the server's, taken from the launcher's environment when the server started.
 
 The server speaks only to the process that started it, over an inherited socket
@@ -98,19 +97,13 @@ class _Server:
     def fork(self, work: Path, rank: int, env: dict[str, str]) -> int:
         request = {"work": str(work), "rank": rank, "env": env, "cwd": os.getcwd()}
         data = (json.dumps(request) + "\n").encode()
-        socket.send_fds(self.sock, [data], [sys.stdout.fileno(), sys.stderr.fileno()])
+        # Descriptors 1 and 2, not sys.stdout's: a replaced sys.stdout (pytest's capsys,
+        # a notebook) has no descriptor, and a fresh rank inherits these two.
+        socket.send_fds(self.sock, [data], [1, 2])
         return int(self._expect("pid", _START_TIMEOUT_S)["pid"])
 
     def poll(self) -> None:
         self._read(0)
-
-    def stop(self) -> None:
-        self.sock.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 _lock = threading.Lock()
@@ -122,11 +115,6 @@ def _the_server() -> _Server:
     if _server is None or _server.closed or _server.proc.poll() is not None:
         _server = _Server()
     return _server
-
-
-def _stop_server() -> None:
-    if _server is not None and not _server.closed:
-        _server.stop()
 
 
 class WarmRank:
@@ -144,7 +132,10 @@ class WarmRank:
                 self._server.poll()
                 code = self._server.exits.pop(self.pid, None)
                 if code is None and self._server.closed:
-                    code = -signal.SIGKILL  # the server died, and its children with it
+                    # The server died; its status of this rank is lost. Reported as
+                    # killed, the rank fails the launch, whose stop signals every
+                    # rank's session, an orphan still running included.
+                    code = -signal.SIGKILL
             self.returncode = code
         return self.returncode
 

@@ -4,7 +4,8 @@ imported torch once, and otherwise what a fresh rank is.
 Specification:
 - a warm rank runs in its own session, with the launch's environment (``env`` and
   variables the launcher set after the server started) and working folder, and
-  writes to the launcher's stdout and stderr as they are when it starts;
+  writes to the launcher's descriptors 1 and 2 as they are when it starts (whatever
+  ``sys.stdout`` is);
 - every launch of one process asks the same server, and a server that died is
   replaced by the next launch;
 - ``start`` is "fresh" or "warm", refused otherwise before any rank starts.
@@ -52,6 +53,13 @@ def test_a_warm_rank_prints_to_the_launchers_stdout_and_stderr(
         "hello from rank 1",
     ]
     assert "hello on stderr from rank 1" in err
+
+
+def test_a_launcher_whose_sys_stdout_is_replaced_still_launches(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # capsys swaps sys.stdout for an object with no descriptor; a rank gets fd 1 and 2.
+    assert run_distributed(bodies_launch.identity, world_size=1)[0]["env"]["RANK"] == "0"
 
 
 def test_every_launch_asks_one_server_and_a_dead_one_is_replaced() -> None:
