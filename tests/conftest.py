@@ -142,8 +142,8 @@ def lane_keeps(markers: set[str], nodeid: str) -> bool:
     if "primary_lane" in markers and lane != primary:
         return False
     if "other_lane" in markers:  # it decides over one_lane (a module's mark)
-        # Where this run's lanes are known and none is another, the primary takes it.
-        return lane != primary or all(x == primary for x in run or ["?"])
+        # The primary takes it only where this run's lanes are known to hold no other.
+        return lane != primary or (bool(run) and all(x == primary for x in run))
     if "one_lane" in markers and lane in run:
         return run[zlib.crc32(nodeid.encode()) % len(run)] == lane
     return True

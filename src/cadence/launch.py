@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from cadence._util import job_secret as _job_secret
 from cadence.errors import CadenceRuntimeError, CadenceValueError
@@ -146,7 +146,7 @@ def launch(
     init_process_group: bool = True,
     num_threads: int | None = None,
     env: dict[str, str] | None = None,
-    start: str = "fresh",
+    start: Literal["fresh", "warm"] = "fresh",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks and return their results.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -50,7 +50,7 @@ def run_distributed(
     world_size: int = 2,
     timeout: float = 90.0,
     backend: str = "gloo",
-    start: str = "warm",
+    start: Literal["fresh", "warm"] = "warm",
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return per-rank results.
