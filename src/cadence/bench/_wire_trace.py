@@ -28,22 +28,26 @@ BIN_S = 0.002  # a few packets of 64 KiB at the rates the cases calibrate to
 
 class WireSampler:
     """``with WireSampler(t0) as s: ...``: ``s.samples`` is ``[(seconds since t0,
-    bytes since the start)]``, one reading every half millisecond."""
+    bytes since the start)]``: a reading on entry, one every half millisecond, and one
+    on exit, so even a step shorter than the period has its two ends."""
 
     def __init__(self, t0: float) -> None:
         self.t0 = t0
         self.samples: list[tuple[float, int]] = []
+        self._b0 = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cadence-wire", daemon=True)
 
+    def _read(self) -> None:
+        self.samples.append((time.perf_counter() - self.t0, loopback_bytes() - self._b0))
+
     def _run(self) -> None:
-        b0 = loopback_bytes()
-        while True:
-            self.samples.append((time.perf_counter() - self.t0, loopback_bytes() - b0))
-            if self._stop.wait(_PERIOD_S):
-                return
+        while not self._stop.wait(_PERIOD_S):
+            self._read()
 
     def __enter__(self) -> WireSampler:
+        self._b0 = loopback_bytes()
+        self._read()
         self._thread.start()
         return self
 
@@ -55,6 +59,7 @@ class WireSampler:
     ) -> None:
         self._stop.set()
         self._thread.join()
+        self._read()  # the thread has stopped: no other writer
 
 
 def utilization(
