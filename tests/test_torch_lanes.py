@@ -67,25 +67,6 @@ def test_a_lane_runs_the_torch_it_names() -> None:
     assert _release(torch.__version__) == lane, (torch.__version__, lane)
 
 
-def test_only_the_primary_lane_runs_the_benchmark_tests(monkeypatch: pytest.MonkeyPatch) -> None:
-    """See [Note: benchmark tests run on the primary lane only] in tests/conftest.py."""
-    from tests.conftest import _other_lane
-
-    dev = (ROOT / "dev").read_text()
-    assert "CADENCE_PRIMARY_LANE=$PRIMARY" in dev and f"PRIMARY={PRIMARY_TORCH}\n" in dev
-    for lane, primary, other in [
-        (None, None, False),  # run by hand: everything runs
-        (PRIMARY_TORCH, PRIMARY_TORCH, False),
-        ("2.13", PRIMARY_TORCH, True),
-    ]:
-        for name, value in (("CADENCE_TORCH_LANE", lane), ("CADENCE_PRIMARY_LANE", primary)):
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        assert _other_lane() is other, (lane, primary)
-
-
 def _set_lanes(monkeypatch: pytest.MonkeyPatch, lane: str | None, run: str | None) -> None:
     values = {
         "CADENCE_TORCH_LANE": lane,
@@ -97,6 +78,17 @@ def _set_lanes(monkeypatch: pytest.MonkeyPatch, lane: str | None, run: str | Non
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
+
+
+def test_only_the_primary_lane_runs_the_benchmark_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """See [Note: benchmark tests run on the primary lane only] in tests/conftest.py."""
+    from tests.conftest import _other_lane
+
+    dev = (ROOT / "dev").read_text()
+    assert "CADENCE_PRIMARY_LANE=$PRIMARY" in dev and f"PRIMARY={PRIMARY_TORCH}\n" in dev
+    for lane, other in [(None, False), (PRIMARY_TORCH, False), ("2.13", True)]:
+        _set_lanes(monkeypatch, lane, None)  # lane None: run by hand, everything runs
+        assert _other_lane() is other, lane
 
 
 def test_each_one_lane_test_runs_on_exactly_one_lane_of_a_run(

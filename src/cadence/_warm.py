@@ -12,8 +12,9 @@ environment, working folder and stdout/stderr (the launcher's descriptors 1 and 
 that moment, sent over the socket, as a fresh rank inherits them), then the worker's
 command line, run as ``python -m`` would. What it inherits beyond a fresh rank is the
 imported modules and nothing else: the server never initializes CUDA, a process
-group or torch's thread pools, and stays single-threaded, so a fork of it is safe. Environment read at import time (``OMP_NUM_THREADS`` by the OpenMP runtime)
-is the server's, taken from the launcher's environment when the server started.
+group or torch's thread pools, and stays single-threaded, so a fork of it is safe.
+Environment read at import time (``OMP_NUM_THREADS`` by the OpenMP runtime) is the
+server's, taken from the launcher's environment when the server started.
 
 The server speaks only to the process that started it, over an inherited socket
 pair (JSON lines, no pickle): each request names a work folder and a rank, and the
@@ -37,7 +38,7 @@ from typing import Any
 
 from cadence.errors import CadenceRuntimeError
 
-__all__ = ["WarmRank", "start_rank"]
+__all__ = ["WarmRank"]
 
 _START_TIMEOUT_S = 60.0
 
@@ -118,7 +119,8 @@ def _the_server() -> _Server:
 
 
 class WarmRank:
-    """A forked rank, as much of ``subprocess.Popen`` as the launcher uses."""
+    """Rank ``rank`` of the launch whose folder is ``work``, forked with ``env``: as
+    much of ``subprocess.Popen`` as the launcher uses."""
 
     def __init__(self, work: Path, rank: int, env: dict[str, str]) -> None:
         with _lock:
@@ -146,8 +148,3 @@ class WarmRank:
                 raise subprocess.TimeoutExpired(f"warm rank {self.pid}", timeout or 0.0)
             time.sleep(0.01)
         return code
-
-
-def start_rank(work: Path, rank: int, env: dict[str, str]) -> WarmRank:
-    """Fork rank ``rank`` of the launch whose folder is ``work``, with ``env``."""
-    return WarmRank(work, rank, env)

@@ -218,7 +218,7 @@ def launch(
                 if start == "warm":
                     from cadence import _warm
 
-                    procs.append(_warm.start_rank(work, rank, rank_env))
+                    procs.append(_warm.WarmRank(work, rank, rank_env))
                     continue
                 procs.append(
                     subprocess.Popen(
