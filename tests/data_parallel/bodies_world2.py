@@ -7,7 +7,13 @@ generators, so their order does not matter. One map of outcomes per bodies modul
 from __future__ import annotations
 
 from tests import _scenarios
-from tests.data_parallel import bodies_misuse, bodies_overlap, bodies_parity, bodies_timing
+from tests.data_parallel import (
+    bodies_embedding,
+    bodies_misuse,
+    bodies_overlap,
+    bodies_parity,
+    bodies_timing,
+)
 
 __all__ = ["world2"]
 
@@ -18,4 +24,5 @@ def world2() -> dict[str, _scenarios.Outcomes]:
         "timing": _scenarios.run_scenarios(bodies_timing.SCENARIOS),
         "misuse": _scenarios.run_scenarios(bodies_misuse.SCENARIOS),
         "overlap": _scenarios.run_scenarios(bodies_overlap.SCENARIOS),
+        "embedding": _scenarios.run_scenarios(bodies_embedding.SCENARIOS),
     }
