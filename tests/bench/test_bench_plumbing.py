@@ -413,13 +413,14 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
         lk = row["link"]
         assert lk["bytes"]["plain"] < 1024 or row["case"] == "pipeline", lk["bytes"]
         assert lk["bytes"]["cadence"] > 0 and lk["bytes"]["torch"] > 0
-        # The recommender's sparse exchange is counted apart, as part of every variant's
-        # bytes; no other case has an exchange that waits for the end of backward.
+        # The recommender's sparse exchange is counted apart, per variant, as part of
+        # its bytes; no other case has an exchange that waits for the end of backward.
         if row["case"] == "recommender":
-            assert 0 < lk["late_bytes"] < lk["bytes"]["cadence"], lk
+            for v in ("cadence", "cadence_sync", "torch", "torch_b"):
+                assert 0 < lk["late_bytes"][v] < lk["bytes"][v], (v, lk)
             assert 0 < lk["cadence"]["late_wire_ms"] < lk["cadence"]["wire_ms"]
         else:
-            assert lk["late_bytes"] == 0, lk
+            assert lk["late_bytes"] == {}, lk
         for v in ("cadence", "torch"):
             f = lk[v]
             assert f["serial_ms"] == pytest.approx(lk["compute_ms"] + f["wire_ms"])
@@ -565,3 +566,21 @@ def test_pp_on_a_link_traces_each_side_and_draws_it(tmp_path: Path) -> None:
     write_docs(tmp_path / "results", tmp_path / "docs" / "benchmarks.md")
     kept = {p.name for p in (tmp_path / "docs" / "records").iterdir()}
     assert sum(name.endswith("-timeline.png") for name in kept) == len(record["rows"]), kept
+
+
+def test_calibrated_rate_is_set_by_the_side_that_moves_more_bytes() -> None:
+    """[Note: the calibrated rate]: the wire time of the larger side's bytes equals the
+    backward, whichever side that is; the pipeline counts its reduction's bytes only."""
+    from cadence.bench._calibrate import calibrated_rate
+
+    for cadence_bytes, torch_bytes in ((1_000_000, 2_000_000), (2_000_000, 1_000_000)):
+        link = {"bytes": {"cadence": cadence_bytes, "torch": torch_bytes, "plain": 0},
+                "backward_ms": 100.0}  # fmt: skip
+        assert calibrated_rate({"case": "recommender", "link": link}) == (
+            160_000_000,
+            100.0,
+            2_000_000,
+        )
+    pipeline = {"bytes": {"cadence": 1_500_000, "torch": 1_000_000, "plain": 500_000},
+                "before_ms": 150.0}  # fmt: skip
+    assert calibrated_rate({"case": "pipeline", "link": pipeline}) == (80_000_000, 100.0, 1_000_000)

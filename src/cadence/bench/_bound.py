@@ -20,8 +20,9 @@ On a link, a step's communication is wire time while the cores are free. Its fig
     all, and after its last byte at least the last bucket's share of ``O`` is left.
     ``L`` is the wire time of an exchange that can start only when backward ends
     (``W`` includes it): the recommender's sparse one, whose gradient the embedding,
-    the last thing backward computes, writes last; its bytes are counted apart (each
-    case's ``late`` calls, by the same counter). Its step follows it; that step is not
+    the last thing backward computes, writes last; its bytes are counted apart, per
+    variant (each variant's ``late`` call, by the same counter: cadence exchanges
+    the bag's lookups, torch its rows). Its step follows it; that step is not
     timed apart and is left out, which keeps the bound a bound. Elsewhere ``L = 0``.
     The dense bytes the wire could not carry during backward, if any, follow ``L``:
     ``F + B + L + max(0, W - L - (1 - f)·B)``, never above the larger of the two
@@ -134,7 +135,7 @@ def link_figures(
     scale = c / sum(phases) if sum(phases) > 0 else 1.0  # phases median ≠ step median
     f_, b, o = (scale * p for p in phases)
     pieces = int(per_rank[0]["meta"].get("pieces") or 1)
-    late_bytes = int(per_rank[0].get("late_bytes") or 0)
+    late_bytes: dict[str, int] = per_rank[0].get("late_bytes") or {}
     s0, b0 = 1.0, 0.0
     if kind == "pipeline":
         meta = per_rank[0]["meta"]
@@ -151,7 +152,7 @@ def link_figures(
         "after_ms": o,
         "pieces": pieces,
         "bytes": dict(wire_bytes),
-        "late_bytes": late_bytes,
+        "late_bytes": dict(late_bytes),
     }
     if kind == "pipeline":
         out["first_stage_share"] = s0
@@ -163,7 +164,7 @@ def link_figures(
         w = 1e3 * 8 * nbytes / rate
         # The counters read both exchanges alike; a noisy read must not put more late
         # bytes than the whole step's.
-        late = min(w, 1e3 * 8 * late_bytes / rate)
+        late = min(w, 1e3 * 8 * late_bytes.get(v, 0) / rate)
         serial = c + w
         bound = bound_ms(kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0, b0=b0, late=late)
         measured = 1e3 * statistics.median(times[v])

@@ -5,11 +5,14 @@ equals its backward compute, and at a rate 4x slower.
 A link much faster than a case's backward leaves nothing to hide, a much slower one
 leaves nothing but the wire: the comparison that tells timing apart is where the two
 are equal. One short pass in an unshaped namespace (the loopback counted, not
-shaped) measures each case's bytes per step (cadence's variant; for the pipeline the
-data-parallel reduction's only) and its backward compute (the ``plain`` variant's
-last backward; for the pipeline two thirds of its schedule, backward being about
-twice a forward). The calibrated rate is bytes * 8 / backward, to two significant
-digits. Each case then runs on a link of its own at that rate and at a quarter of it,
+shaped) measures each case's bytes per step (the larger of cadence's and torch's
+variant's; for the pipeline the data-parallel reduction's only) and its backward
+compute (the ``plain`` variant's last backward; for the pipeline two thirds of its
+schedule, backward being about twice a forward). The calibrated rate is bytes * 8 /
+backward, to two significant digits. The larger side's bytes: where one side moves
+fewer (fully_shard's exchange reduce-scatter, the recommender's exchange of lookups),
+a rate set by the smaller would put the other's wire well above its backward, and
+the comparison would favour the side that set it. Each case then runs on a link of its own at that rate and at a quarter of it,
 and the rows land in one ``step-link`` record: one table per rate in
 ``docs/benchmarks.md``.
 """
@@ -38,7 +41,7 @@ def calibrated_rate(row: dict[str, Any]) -> tuple[int, float, int]:
     """(rate in bit/s, backward ms, bytes) of [Note: the calibrated rate] from a row
     taken on an unshaped link."""
     link = row["link"]
-    nbytes = link["bytes"]["cadence"]
+    nbytes = max(link["bytes"]["cadence"], link["bytes"]["torch"])
     if row["case"] == "pipeline":
         nbytes -= link["bytes"]["plain"]
         backward = 2 / 3 * link["before_ms"]

@@ -22,14 +22,18 @@ Cases:
   reduce-scatter is waited, later units still reducing); torch is FSDP2 +
   ``opt.step()`` (target <= 0.50).
 - ``recommender``: an ``EmbeddingBag(sparse=True)`` outside the wrapper feeding a dense
-  tower; ``cadence`` finalizes manually with its last buckets held while the wire is
-  busy (``hold_last_buckets(3, only_while_busy=True)``): backward launches the others;
-  the sparse all-reduce (on a second group) goes on the wire next and is waited, then
+  tower. cadence's two variants exchange the bag's gradient as its lookups
+  (`EmbeddingExchange`: each rank's ids and pooled output gradient, not the table's
+  rows; fewer bytes, counted per variant); torch's all-reduce the sparse gradient.
+  ``cadence`` finalizes manually with its last buckets held while the wire is
+  busy (``hold_last_buckets(3, only_while_busy=True)``): backward launches the others
+  and, at its end, the exchange (on a second group), which is waited first; then
   ``finalize_backward`` launches the held buckets, the sparse step runs while they
   fly, and each bucket's dense SGD is stepped as it lands (``overlap_optimizer``); torch
   runs the sparse half after DDP's backward (target <= 0.80), and torch's best the
   same order as cadence through DDP's own manual finalization, stepping the dense
-  optimizer whole.
+  optimizer whole. ``cadence_sync`` (the exchange, no overlap) against ``torch`` is
+  what the bytes alone are worth; ``cadence`` against ``cadence_sync``, the timing.
 - ``nanogpt_dp``: nanoGPT's training loop on cadence's TinyGPT shaped like nanoGPT's
   GPT-2 small, scaled down to a CPU (6 blocks of width 128, LayerNorms and biases, tied
   embeddings: many small parameters), AdamW with nanoGPT's decay groups, 4 microbatches
@@ -172,8 +176,9 @@ class _CaseProbe:
     - What the bound of [Note: the bound perfect overlap allows] needs: the ``plain``
       variant's step cut in three (before its last backward, that backward, after
       it), ``meta`` (how many pieces the reduction comes in, a stage's bytes), and
-      ``late``: the exchanges that cannot start before the last backward ends (the
-      recommender's sparse one), each a call whose bytes on the link are counted apart.
+      ``late``: per variant, the exchange that cannot start before the last backward
+      ends (the recommender's sparse one), a call whose bytes on the link are counted
+      apart.
     - On a link, one traced step per variant (`trace`): what its timeline draws.
     """
 
@@ -392,7 +397,7 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from cadence.comm import Comm
-    from cadence.data_parallel import DataParallel
+    from cadence.data_parallel import DataParallel, EmbeddingExchange
 
     torch.manual_seed(0)
     bag = nn.EmbeddingBag(spec["vocab"], spec["dim"], mode="mean", sparse=True).to(device)
@@ -439,22 +444,37 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
         min(spec["hold"], towers["cadence"].num_buckets), only_while_busy=True
     )
     losses.meta["pieces"] = towers["cadence"].num_buckets
-    # The bound counts the sparse exchange's bytes apart: it can start only when
-    # backward ends (the embedding is the last gradient backward writes). Each call
-    # exchanges a fresh copy of one step's gradient, as every step does.
+    # cadence's variants exchange the bag's gradient as its lookups: each rank's ids
+    # and pooled output gradient (see [Note: exchanging an embedding's gradient as its
+    # inputs] in data_parallel/_embedding_exchange.py); torch's all-reduce its rows.
+    exchanges = {k: EmbeddingExchange(bags[k], sparse_comm) for k in ("cadence", "cadence_sync")}
+    # The bound counts the sparse exchange's bytes apart, per variant: it can start
+    # only when backward ends (the embedding is the last gradient backward writes).
+    # Each call exchanges a fresh copy of one step's gradient, as every step does.
     probe = copy.deepcopy(bag)
     probe(ids).sum().backward()
     assert probe.weight.grad is not None
     one_grad = probe.weight.grad
+    pooled = copy.deepcopy(bag)
+    pooled_exchange = EmbeddingExchange(pooled, sparse_comm)
 
-    def exchange_one() -> None:
+    def exchange_rows() -> None:
         sparse_comm.all_reduce(one_grad.clone(), op="avg")
 
-    losses.late["sparse"] = exchange_one
+    def exchange_lookups() -> None:
+        pooled(ids).sum().backward()
+        pooled_exchange.finalize()
+        pooled.weight.grad = None
+
+    for k in names:
+        if k != "plain":
+            losses.late[k] = exchange_lookups if k in exchanges else exchange_rows
 
     def sparse_half(k: str) -> None:
         grad = bags[k].weight.grad
-        if k != "plain":
+        if k in exchanges:
+            exchanges[k].finalize()
+        elif k != "plain":
             assert grad is not None  # the backward just before wrote it
             sparse_comm.all_reduce(grad, op="avg")
         sparse_opts[k].step()
@@ -464,16 +484,16 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
         dense gradients are finalized, then the sparse step. cadence: the exchange goes
         first, then its step while the held buckets fly; each bucket is stepped as it
         lands."""
-        grad = bags[k].weight.grad
-        assert grad is not None  # the backward just before wrote it
-        work = sparse_comm.all_reduce(grad, op="avg", async_op=True)
         if k == "cadence":
-            work.wait()
+            exchanges[k].finalize()  # launched at the end of backward
             handle = towers[k].finalize_backward(async_op=True)  # launches the held ones
             sparse_opts[k].step()
             handle.wait()
             dense_opts[k].step()  # only what the buckets left (nothing)
             return
+        grad = bags[k].weight.grad
+        assert grad is not None  # the backward just before wrote it
+        work = sparse_comm.all_reduce(grad, op="avg", async_op=True)
         towers[k].finalize_backward()
         dense_opts[k].step()
         work.wait()
@@ -763,7 +783,7 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[
                      "phases": losses.phases[warmup:], "meta": losses.meta}  # fmt: skip
         if on_link:  # every rank reads the one shared counter; rank 0's is kept
             out[name]["wire_bytes"] = {k: _bytes_per_step(f, 3) for k, f in steps.items()}
-            out[name]["late_bytes"] = sum(_bytes_per_step(f, 3) for f in losses.late.values())
+            out[name]["late_bytes"] = {v: _bytes_per_step(f, 3) for v, f in losses.late.items()}
             out[name]["trace"] = losses.trace(steps)
         del steps, losses
     return out
