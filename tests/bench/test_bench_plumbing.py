@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -365,6 +366,7 @@ def test_a_fresh_clone_reruns_one_kind_and_keeps_the_others_and_the_prose(
 LINK_SCRIPT = """
 import json, sys
 from pathlib import Path
+from typing import Any
 from cadence.bench import run_bench
 record, path, _ = run_bench("step", tiny=True, out_dir=Path(sys.argv[1]),
                             cases=["dense_adamw", "fsdp_adamw", "recommender", "pipeline"])
@@ -584,3 +586,35 @@ def test_calibrated_rate_is_set_by_the_side_that_moves_more_bytes() -> None:
     pipeline = {"bytes": {"cadence": 1_500_000, "torch": 1_000_000, "plain": 500_000},
                 "before_ms": 150.0}  # fmt: skip
     assert calibrated_rate({"case": "pipeline", "link": pipeline}) == (80_000_000, 100.0, 1_000_000)
+
+
+def _verdict_row(*, serial: float, pattern: float, cpu: dict[str, float], step: float) -> Any:
+    """A calibrated link row in units of C = 100 ms, cadence's step ``step``."""
+    variants = {
+        v: {"serial_ms": serial, "pattern_bound_ms": pattern, "cpu_bound_ms": c,
+            "bound_ms": max(pattern, c), "measured_ms": step}
+        for v, c in cpu.items()
+    }  # fmt: skip
+    return {"link": {"compute_ms": 100.0, **variants}}
+
+
+def test_the_efficiency_target_is_read_against_the_pattern_bound_and_the_cores() -> None:
+    """[Note: an efficiency target the cores rule out]: met against the pattern bound;
+    impossible where even a step at the least CPU bound of the row's variants could
+    not reach it there; missed otherwise."""
+    from cadence.bench.report import _efficiency_verdict
+
+    # Room 60: 0.90 needs a step of at most 109; the cores need 114 (torch's, the
+    # least): they allow (163 - 114) / 60 = 0.82.
+    row = _verdict_row(serial=163, pattern=103, cpu={"cadence": 116, "torch": 114}, step=123)
+    assert _efficiency_verdict(row) == (
+        "impossible on these cores (against the pattern's bound they allow 0.82; cadence 0.67)"
+    )
+    # The cores allow 0.92 there: a step of 123 is a miss, one of 108 meets it.
+    row = _verdict_row(serial=163, pattern=103, cpu={"cadence": 108}, step=123)
+    assert _efficiency_verdict(row) == "**missed** (0.67 against the pattern's bound)"
+    row = _verdict_row(serial=163, pattern=103, cpu={"cadence": 108}, step=108)
+    assert _efficiency_verdict(row) == "met"
+    # The cores leave under C/10 of room: no efficiency, the cores set the step.
+    row = _verdict_row(serial=120, pattern=101, cpu={"cadence": 134}, step=148)
+    assert _efficiency_verdict(row) == "impossible (CPU-bound)"

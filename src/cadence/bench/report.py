@@ -57,8 +57,8 @@ _SLOPES = {
 _NOTES = {
     LINK_KIND: (
         "The step cases again, each with its ranks on an emulated link of its own\n"
-        "([link.md](link.md)): at the rate where the wire time of cadence's bytes equals\n"
-        "the case's backward compute (calibrated), and 4x slower. Every byte any rank\n"
+        "([link.md](link.md)): at the rate where the wire time of the bytes of the side\n"
+        "that moves more equals the case's backward compute (calibrated), and 4x slower. Every byte any rank\n"
         "sends is counted on the link's one queue. Per side: MiB on the wire per step;\n"
         "wire time, the bound perfect overlap allows for the case's pattern and the CPU\n"
         "bound (all ranks' CPU seconds over the cores), and the step, as multiples of\n"
@@ -67,7 +67,10 @@ _NOTES = {
         "what overlap could hide at best (cadence's); efficiency is not defined where the\n"
         'room is under C/10 ("CPU-bound" where the CPU bound is the larger bound).\n'
         "Targets: at the calibrated rate efficiency >= 0.90 and a ratio per case, at the\n"
-        "slower rate never slower than torch (`LINK_TARGETS`). torch's best is its\n"
+        "slower rate never slower than torch (`LINK_TARGETS`). The efficiency target is\n"
+        "read against the pattern bound alone, and is impossible where the cores cannot\n"
+        "reach it there ([Note: an efficiency target the cores rule out] in\n"
+        "`cadence/bench/report.py`). torch's best is its\n"
         "strongest configuration of the pattern where it is not the plain loop: DDP's\n"
         "fused optimizer (`_register_fused_optim`) for dense AdamW, DDP's own manual\n"
         "finalization for the recommender. Each bound is derived in [Note: the bound\n"
@@ -427,6 +430,59 @@ LINK_TARGETS: dict[str, tuple[str, float]] = {
 }
 
 
+# [Note: an efficiency target the cores rule out]
+# The issue's efficiency is measured against the bound of the case's dependencies, the
+# pattern bound. The table's efficiency column uses the larger of that and the CPU
+# bound, which says how much of the room the cores leave a step actually hid. The
+# target is read by the issue's definition: met where the efficiency against the
+# pattern bound reaches it. No step is shorter than its CPU seconds over the cores,
+# so against the pattern bound no variant can reach more than (serial - cpu) /
+# (serial - pattern), the cores' limit; cpu is the least any variant of the row
+# needed (a variant that moves fewer bytes needs less, so the limit errs high).
+# Where the cores' limit is under the target, the target is impossible on this
+# machine; the verdict gives that limit beside cadence's efficiency against the
+# pattern bound, and the table's column what cadence hid of the room the cores leave.
+
+VARIANTS_WITH_BOUNDS = ("cadence", "cadence_sync", "torch", "torch_best")
+
+
+def _cores_limit(row: dict[str, Any]) -> float | None:
+    """The best efficiency against the pattern bound that the cores allow (see
+    [Note: an efficiency target the cores rule out]); None where the pattern leaves
+    less than C/10 to hide."""
+    from cadence.bench._bound import MIN_HIDEABLE
+
+    lk = row["link"]
+    f = lk["cadence"]
+    room = f["serial_ms"] - f["pattern_bound_ms"]
+    if room < MIN_HIDEABLE * lk["compute_ms"]:
+        return None
+    cpu = min(lk[v]["cpu_bound_ms"] for v in VARIANTS_WITH_BOUNDS if v in lk)
+    return float((f["serial_ms"] - cpu) / room)
+
+
+def _efficiency_verdict(row: dict[str, Any]) -> str:
+    """The calibrated rate's efficiency target, by [Note: an efficiency target the cores
+    rule out]."""
+    from cadence.bench._bound import efficiency
+
+    lk = row["link"]
+    f = lk["cadence"]
+    on_pattern = efficiency(serial=f["serial_ms"], bound=f["pattern_bound_ms"],
+                            measured=f["measured_ms"], compute=lk["compute_ms"])  # fmt: skip
+    if on_pattern is None or _efficiency(row, "cadence") is None:
+        return f"impossible ({_no_efficiency(row, 'cadence')})"
+    if on_pattern >= LINK_EFFICIENCY_TARGET:
+        return "met"
+    limit = _cores_limit(row)
+    if limit is not None and limit < LINK_EFFICIENCY_TARGET:
+        return (
+            f"impossible on these cores (against the pattern's bound they allow "
+            f"{max(limit, 0.0):.2f}; cadence {on_pattern:.2f})"
+        )
+    return f"**missed** ({on_pattern:.2f} against the pattern's bound)"
+
+
 def _link_verdict(row: dict[str, Any]) -> str:
     calibrated = row["rate"] == "calibrated"
     against, target = (
@@ -445,12 +501,7 @@ def _link_verdict(row: dict[str, Any]) -> str:
         verdict = f"**missed** (the bound allows {allowed:.2f})"
     out = [f"<= {target:.2f} of {name}: {verdict}"]
     if calibrated:
-        eff = _efficiency(row, "cadence")
-        if eff is None:  # the bound leaves nothing to measure it by
-            verdict = f"impossible ({_no_efficiency(row, 'cadence')})"
-        else:
-            verdict = "met" if eff >= LINK_EFFICIENCY_TARGET else "**missed**"
-        out.append(f"eff >= {LINK_EFFICIENCY_TARGET:.2f}: {verdict}")
+        out.append(f"eff >= {LINK_EFFICIENCY_TARGET:.2f}: {_efficiency_verdict(row)}")
     return "; ".join(out)
 
 
