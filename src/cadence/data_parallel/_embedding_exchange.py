@@ -345,7 +345,8 @@ class EmbeddingExchange:
                     per_sample_weights=weights,
                     padding_idx=module.padding_idx,
                 )
-            (result,) = torch.autograd.grad(out, leaf, grad)
+            # The output's gradient arrives in the dtype the model's backward gave it.
+            (result,) = torch.autograd.grad(out, leaf, grad.to(out.dtype))
         return result
 
     def _concatenated(
