@@ -7,6 +7,7 @@ from it.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -432,9 +433,13 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
     # B = 5, O = 2, W = 20 in 4 pieces: max(10, 3 + 5/4 + 20 + 2/4) = 24.75.
     assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=20, pieces=4) == pytest.approx(24.75)
     assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4) == 10
-    # An exchange that starts only when backward ends (L = 4 of W = 6): max(10,
-    # 3 + 5/4 + 6 + 2/4, 3 + 5 + 4) = 12; as part of the wire alone it would be 10.75.
-    assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4, late=4) == 12
+    # The last bucket crosses after backward ends: W = 4 in 2 pieces, max(10,
+    # 3 + 5/2 + 4 + 2/2, 3 + 5 + 4/2 + 2/2) = 11.
+    assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=4, pieces=2) == 11
+    # An exchange that starts only when backward ends (L = 4 of W = 6) and the last
+    # bucket's share of the rest: max(10, 3 + 5/4 + 6 + 2/4, 3 + 5 + 4 + 2/4 + 2/4)
+    # = 13; as part of the wire alone it would be 10.75.
+    assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4, late=4) == 13
     assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4) == 10.75
     with pytest.raises(ValueError, match="within 0 and the wire time"):
         bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4, late=2)
@@ -449,6 +454,16 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
         for r in record["rows"]]}  # fmt: skip
     table = _link_tables(linked)
     assert "**calibrated**" in table and "| dense_adamw | 0.5 Gbit/s" in table
+    # The report reads a record by today's bound, from the inputs it keeps: a stale
+    # pattern bound in the record is recomputed, not shown.
+    from cadence.bench._bound import recomputed
+    from cadence.bench.report import _by_todays_bound
+
+    stale = copy.deepcopy(linked["rows"][0])
+    stale["link"]["cadence"]["pattern_bound_ms"] = -1.0
+    fresh = _by_todays_bound(stale)["link"]["cadence"]
+    assert fresh["pattern_bound_ms"] == recomputed("dense", stale["link"], "cadence") > 0
+    assert fresh["bound_ms"] == max(fresh["pattern_bound_ms"], fresh["cpu_bound_ms"])
 
 
 def test_wire_utilization_spreads_bytes_over_time_per_bin() -> None:

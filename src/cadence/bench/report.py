@@ -12,6 +12,7 @@ releases are listed after them as history. The records the page cites are copied
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -505,8 +506,25 @@ def _link_verdict(row: dict[str, Any]) -> str:
     return "; ".join(out)
 
 
+def _by_todays_bound(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with every variant's pattern bound (and so its bound) recomputed by
+    today's rule from the inputs the record keeps (`_bound.recomputed`)."""
+    from cadence.bench._bound import recomputed
+    from cadence.bench.step import CASES
+
+    row = copy.deepcopy(row)
+    lk = row["link"]
+    for v in VARIANTS_WITH_BOUNDS:
+        if v in lk:
+            pattern = recomputed(CASES[row["case"]]["kind"], lk, v)
+            lk[v]["pattern_bound_ms"] = pattern
+            lk[v]["bound_ms"] = max(pattern, lk[v]["cpu_bound_ms"])
+    return row
+
+
 def _link_tables(record: dict[str, Any], page_dir: Path | None = None) -> str:
     """One table per rate of a ``step-link`` record (see `cadence.bench._calibrate`)."""
+    record = {**record, "rows": [_by_todays_bound(r) for r in record["rows"]]}
     m = record["machine"]
     lines = [
         f"`cadence bench step --link calibrated{' --quick' if record['quick'] else ''}`, "
