@@ -30,10 +30,10 @@ On a link, a step's communication is wire time while the cores are free. Its fig
     follows it; that step is not timed apart and is left out. Elsewhere ``L = 0``.
     The dense bytes the wire could not carry during backward, if any, follow ``L``:
     ``F + B + L + max(f·(W - L), W - L - (1 - f)·B) + f·O``; its second branch is
-    the wire term, so the two terms suffice. The issue names the last bucket's
-    reduction as one a synchronous step cannot hide; until 2026-12-07 this bound
-    left that term out, and a record taken before then reads by today's rule in the
-    report (`recomputed`). In the recommender the last bucket is ready when the
+    the wire term, so the two terms suffice. A synchronous step cannot hide the
+    last bucket's reduction; until 2026-12-07 this bound left that term out, and a
+    record taken before then reads by today's rule in the report (`recomputed`).
+    In the recommender the last bucket is ready when the
     tower's backward ends, the embedding's own backward (a sparse gradient's
     scatter, timed at 0.4 ms, under 0.5 % of C, at the case's size) still to run:
     the term errs high by at most that much there;

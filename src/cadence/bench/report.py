@@ -432,10 +432,10 @@ LINK_TARGETS: dict[str, tuple[str, float]] = {
 
 
 # [Note: an efficiency target the cores rule out]
-# The issue's efficiency is measured against the bound of the case's dependencies, the
+# The efficiency target is defined against the bound of the case's dependencies, the
 # pattern bound. The table's efficiency column uses the larger of that and the CPU
 # bound, which says how much of the room the cores leave a step actually hid. The
-# target is read by the issue's definition: met where the efficiency against the
+# target is read by that definition: met where the efficiency against the
 # pattern bound reaches it. No step is shorter than its CPU seconds over the cores,
 # so against the pattern bound no variant can reach more than (serial - cpu) /
 # (serial - pattern), the cores' limit; cpu is the least any variant of the row
