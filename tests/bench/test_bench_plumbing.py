@@ -381,7 +381,6 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
     step-link report renders it. Skipped with the reason where no link can be made."""
     import sys
 
-    from cadence.bench._bound import bound_ms
     from cadence.bench.report import LINK_KIND, _link_tables
     from cadence.link import EmulatedLink, LinkSpec
     from tests.link._available import unavailable
@@ -415,6 +414,9 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
         )
         lk = row["link"]
         assert lk["bytes"]["plain"] < 1024 or row["case"] == "pipeline", lk["bytes"]
+        # The data-parallel cases keep their buckets' shares of the bytes for the bound.
+        if row["case"] in ("dense_adamw", "recommender"):
+            assert len(lk["shares"]) == lk["pieces"] and sum(lk["shares"]) == pytest.approx(1)
         assert lk["bytes"]["cadence"] > 0 and lk["bytes"]["torch"] > 0
         # The recommender's sparse exchange is counted apart, per variant, as part of
         # its bytes; no other case has an exchange that waits for the end of backward.
@@ -429,25 +431,6 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
             assert f["serial_ms"] == pytest.approx(lk["compute_ms"] + f["wire_ms"])
             assert f["pattern_bound_ms"] >= lk["compute_ms"] * (1 - 1e-9)
             assert f["bound_ms"] == max(f["pattern_bound_ms"], f["cpu_bound_ms"])
-    # The bound's arithmetic, by hand for the data-parallel pattern: C = 10, F = 3,
-    # B = 5, O = 2, W = 20 in 4 pieces: max(10, 3 + 5/4 + 20 + 2/4) = 24.75.
-    assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=20, pieces=4) == pytest.approx(24.75)
-    assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4) == 10
-    # The last bucket crosses after backward ends: W = 4 in 2 pieces, max(10,
-    # 3 + 5/2 + 4 + 2/2, 3 + 5 + 4/2 + 2/2) = 11.
-    assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=4, pieces=2) == 11
-    # An exchange that starts only when backward ends (L = 4 of W = 6) and the last
-    # bucket's share of the rest: max(10, 3 + 5/4 + 6 + 2/4, 3 + 5 + 4 + 2/4 + 2/4)
-    # = 13; as part of the wire alone it would be 10.75.
-    assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4, late=4) == 13
-    assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4) == 10.75
-    with pytest.raises(ValueError, match="within 0 and the wire time"):
-        bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4, late=2)
-    # Sharded: g = W / (3 pieces) = 1; max(g + C, g + F + B + g + O/4, W + O/4) = 12.5.
-    assert bound_ms("fsdp", c=10, f_=3, b=5, o=2, w=12, pieces=4) == pytest.approx(12.5)
-    # Pipeline: max(C, F + s0 W + O/4, F - b0 + W + O/4) = max(10, 18.5, 27.5).
-    pp = bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=20, pieces=4, s0=0.5, b0=1)
-    assert pp == pytest.approx(27.5)
     linked = {**record, "kind": LINK_KIND, "rows": [
         {**r, "rate": "calibrated", "load": [0.0, 0.0],
          "link_settings": {k: v for k, v in record["settings"].items() if k.startswith("link")}}
@@ -464,6 +447,44 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
     fresh = _by_todays_bound(stale)["link"]["cadence"]
     assert fresh["pattern_bound_ms"] == recomputed("dense", stale["link"], "cadence") > 0
     assert fresh["bound_ms"] == max(fresh["pattern_bound_ms"], fresh["cpu_bound_ms"])
+
+
+def test_the_bound_of_each_pattern_by_hand() -> None:
+    """[Note: the bound perfect overlap allows], worked by hand; no link needed."""
+    from cadence.bench._bound import bound_ms
+
+    # The bound's arithmetic, by hand for the data-parallel pattern: C = 10, F = 3,
+    # B = 5, O = 2, W = 20 in 4 pieces: max(10, 3 + 5/4 + 20 + 2/4) = 24.75.
+    assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=20, pieces=4) == pytest.approx(24.75)
+    assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4) == 10
+    # The last bucket crosses after backward ends: W = 4 in 2 pieces, max(10,
+    # 3 + 5/2 + 4 + 2/2, 3 + 5 + 4/2 + 2/2) = 11.
+    assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=4, pieces=2) == 11
+    # An exchange that starts only when backward ends (L = 4 of W = 6) and the last
+    # bucket's share of the rest: max(10, 3 + 5/4 + 6 + 2/4, 3 + 5 + 4 + 2/4 + 2/4)
+    # = 13; as part of the wire alone it would be 10.75.
+    assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4, late=4) == 13
+    assert bound_ms("recommender", c=10, f_=3, b=5, o=2, w=6, pieces=4) == 10.75
+    # Unequal buckets, in the order backward fills them: bucket k is ready at
+    # F + S_k B and all bytes from it on cross after that. Shares 0.5, 0.3, 0.2 of
+    # W - L = 5 with L = 1: k = 1 gives 3 + 2.5 + 5 + 1 + 0.2 * 2 = 11.9 (k = 2: 10.9,
+    # k = 3: 10.4).
+    assert bound_ms(
+        "recommender", c=10, f_=3, b=5, o=2, w=6, pieces=3, late=1, shares=[0.5, 0.3, 0.2]
+    ) == pytest.approx(11.9)
+    # A large middle bucket binds: ready at 9, its 8 and the last 1 still to cross.
+    assert bound_ms("dense", c=1, f_=0, b=10, o=0, w=10, pieces=3, shares=[1, 8, 1]) == 18
+    # Equal shares given or not: the same bound.
+    assert bound_ms("dense", c=10, f_=3, b=5, o=2, w=4, pieces=2, shares=[1, 1]) == 11
+    with pytest.raises(ValueError, match="positive sum"):
+        bound_ms("dense", c=1, f_=0, b=1, o=0, w=1, pieces=2, shares=[0, 0])
+    with pytest.raises(ValueError, match="within 0 and the wire time"):
+        bound_ms("dense", c=10, f_=3, b=5, o=2, w=1, pieces=4, late=2)
+    # Sharded: g = W / (3 pieces) = 1; max(g + C, g + F + B + g + O/4, W + O/4) = 12.5.
+    assert bound_ms("fsdp", c=10, f_=3, b=5, o=2, w=12, pieces=4) == pytest.approx(12.5)
+    # Pipeline: max(C, F + s0 W + O/4, F - b0 + W + O/4) = max(10, 18.5, 27.5).
+    pp = bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=20, pieces=4, s0=0.5, b0=1)
+    assert pp == pytest.approx(27.5)
 
 
 def test_wire_utilization_spreads_bytes_over_time_per_bin() -> None:

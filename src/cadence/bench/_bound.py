@@ -14,29 +14,32 @@ On a link, a step's communication is wire time while the cores are free. Its fig
 - the bound: the shortest step the case's dependencies allow, with ``f`` = 1/pieces
   (buckets, units) the share of one piece, taken as equal:
 
-  * data parallel (``dense``, ``recommender``, ``nanogpt_dp``):
-    ``max(C, F + f·B + W + f·O, F + B + L + f·(W - L) + f·O)``: the first bucket's
-    reduction cannot start before the forward and its share of the backward, the
-    wire carries ``W`` in all, and after its last byte at least the last bucket's
-    share of ``O`` is left. Nor can the last bucket's reduction start before
-    backward ends: it holds the first layers, whose gradients backward writes last
-    (in the recommender, just before the embedding's backward, which this counts
-    as part of the bucket's: see below), so its share of the dense bytes crosses
-    after that, and its step after it. ``L`` is the wire time of an exchange that
-    can start only when backward ends (``W`` includes it): the recommender's sparse
-    one, whose gradient the embedding, the last thing backward computes, writes
-    last; its bytes are counted apart, per variant (each variant's ``late`` call, by
-    the same counter: cadence exchanges the bag's lookups, torch its rows). Its step
-    follows it; that step is not timed apart and is left out. Elsewhere ``L = 0``.
-    The dense bytes the wire could not carry during backward, if any, follow ``L``:
-    ``F + B + L + max(f·(W - L), W - L - (1 - f)·B) + f·O``; its second branch is
-    the wire term, so the two terms suffice. A synchronous step cannot hide the
-    last bucket's reduction; until 2026-12-07 this bound left that term out, and a
-    record taken before then reads by today's rule in the report (`recomputed`).
-    In the recommender the last bucket is ready when the
-    tower's backward ends, the embedding's own backward (a sparse gradient's
-    scatter, timed at 0.4 ms, under 0.5 % of C, at the case's size) still to run:
-    the term errs high by at most that much there;
+  * data parallel (``dense``, ``recommender``, ``nanogpt_dp``), with buckets of
+    shares ``s_1 .. s_n`` of the dense bytes in the order backward fills them
+    (cadence's layout, which is DDP's; equal where a record lacks them) and ``S_k``
+    = ``s_1 + .. + s_k``: bucket ``k`` is ready at ``r_k = F + S_k·B`` (backward's
+    work taken as spread like the parameter bytes), and every byte of it and of the
+    buckets after it must cross the wire after that:
+    ``max(C, max_k r_k + (1 - S_(k-1))·(W - L) + L + s_n·O)``. For ``k = 1`` that
+    is ``F + s_1·B + W + s_n·O`` (the wire carries ``W`` in all, from the first
+    bucket on); for ``k = n`` it is ``F + B + s_n·(W - L) + L + s_n·O``: a
+    synchronous step cannot hide its last bucket's reduction, which holds the first
+    layers, whose gradients backward writes last; after its last byte at least its
+    share of ``O`` is left. ``L`` is the wire time of an exchange that can start
+    only when backward ends (``W`` includes it): the recommender's sparse one, whose
+    gradient the embedding, the last thing backward computes, writes last; its
+    bytes are counted apart, per variant (each variant's ``late`` call, by the same
+    counter: cadence exchanges the bag's lookups, torch its rows). Its step follows
+    it; that step is not timed apart and is left out. Elsewhere ``L = 0``. With
+    equal shares the two ends bound every ``k`` between. Until 2026-12-07 the bound
+    had only the ``k = 1`` term and ``F + B + L``, with equal shares; a record
+    reads by today's rule in the report (`recomputed`), with equal shares where it
+    kept none. The buckets are far from equal where the first layer is narrow: the
+    recommender's last bucket holds 2.5 % of the tower's bytes (its Linear(64,
+    512)), the one before it 19.5 %, ready a few milliseconds before backward
+    ends. The embedding's own backward (a sparse gradient's scatter, timed at 0.4
+    ms, under 0.5 % of C, at the case's size) runs after the last bucket is ready
+    and is counted in ``B``: the ready times err late by at most that much there;
   * sharded (``fsdp``, ``nanogpt_fsdp``): one unit's collective ``g = f·W/3``
     (all-gather in forward, again in backward, reduce-scatter):
     ``max(g + C, g + F + B + g + f·O, W + f·O)``: no compute before the first
@@ -72,6 +75,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["bound_ms", "efficiency", "link_figures", "recomputed"]
@@ -105,20 +109,39 @@ def bound_ms(
     s0: float = 1.0,
     b0: float = 0.0,
     late: float = 0.0,
+    shares: Sequence[float] | None = None,
 ) -> float:
     """The bound of [Note: the bound perfect overlap allows], in the unit given;
-    ``late`` is ``L``, the part of ``w`` that cannot start before backward ends."""
+    ``late`` is ``L``, the part of ``w`` that cannot start before backward ends;
+    ``shares`` the data-parallel buckets' shares of the bytes in the order backward
+    fills them (equal ``pieces`` where None)."""
     if not 0.0 <= late <= w:
         raise ValueError(f"late wire time {late} must be within 0 and the wire time {w}")
     f = 1.0 / max(1, pieces)
     if kind in _DP:
-        return max(c, f_ + f * b + w + f * o, f_ + b + late + f * (w - late) + f * o)
+        return max(c, _dp_wire_bound(f_, b, o, w, late, shares or [f] * max(1, pieces)))
     if kind in _SHARDED:
         g = f * w / 3
         return max(g + c, g + f_ + b + g + f * o, w + f * o)
     if kind == "pipeline":
         return max(c, f_ + s0 * w + f * o, f_ - b0 + w + f * o)
     raise ValueError(f"no bound for case kind {kind!r}")
+
+
+def _dp_wire_bound(
+    f_: float, b: float, o: float, w: float, late: float, shares: Sequence[float]
+) -> float:
+    """``max_k r_k + (1 - S_(k-1))·(W - L) + L + s_n·O`` of the data-parallel bound."""
+    total = sum(shares)
+    if total <= 0 or any(x < 0 for x in shares):
+        raise ValueError(f"bucket shares must be non-negative with a positive sum: {shares}")
+    s = [x / total for x in shares]
+    best, before = 0.0, 0.0
+    for share in s:
+        ready = f_ + (before + share) * b
+        best = max(best, ready + (1.0 - before) * (w - late) + late + s[-1] * o)
+        before += share
+    return best
 
 
 def recomputed(kind: str, link: dict[str, Any], variant: str) -> float:
@@ -135,6 +158,7 @@ def recomputed(kind: str, link: dict[str, Any], variant: str) -> float:
         s0=link.get("first_stage_share", 1.0),
         b0=link.get("cooldown_backward_ms", 0.0),
         late=f.get("late_wire_ms", 0.0),
+        shares=link.get("shares"),
     )
 
 
@@ -162,6 +186,7 @@ def link_figures(
     scale = c / sum(phases) if sum(phases) > 0 else 1.0  # phases median ≠ step median
     f_, b, o = (scale * p for p in phases)
     pieces = int(per_rank[0]["meta"].get("pieces") or 1)
+    shares = per_rank[0]["meta"].get("shares")
     late_bytes: dict[str, int] = per_rank[0].get("late_bytes") or {}
     s0, b0 = 1.0, 0.0
     if kind == "pipeline":
@@ -178,6 +203,7 @@ def link_figures(
         "backward_ms": b,
         "after_ms": o,
         "pieces": pieces,
+        "shares": shares,
         "bytes": dict(wire_bytes),
         "late_bytes": dict(late_bytes),
     }
@@ -193,7 +219,9 @@ def link_figures(
         # bytes than the whole step's.
         late = min(w, 1e3 * 8 * late_bytes.get(v, 0) / rate)
         serial = c + w
-        bound = bound_ms(kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0, b0=b0, late=late)
+        bound = bound_ms(
+            kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0, b0=b0, late=late, shares=shares
+        )
         measured = 1e3 * statistics.median(times[v])
         cpu_bound = 1e3 * _cpu_seconds(per_rank, v) / (os.cpu_count() or 1)
         pattern_bound, bound = bound, max(bound, cpu_bound)

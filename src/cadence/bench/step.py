@@ -263,6 +263,18 @@ def _rel(t: float | None, t0: float) -> float | None:
     return None if t is None else t - t0
 
 
+def _bucket_meta(dp: Any) -> dict[str, Any]:
+    """How many buckets a DataParallel reduces in, and each one's share of the bytes
+    in launch order (the order backward fills them): the bound's ``pieces`` and
+    ``shares``."""
+    params = dict(dp.module.named_parameters())
+    sizes = [
+        sum(params[n].numel() * params[n].element_size() for n in names)
+        for names in dp.bucket_param_names()
+    ]
+    return {"pieces": len(sizes), "shares": [x / sum(sizes) for x in sizes]}
+
+
 def _tower(layers: int, width: int, d_in: int) -> Any:
     from torch import nn
 
@@ -308,7 +320,7 @@ def _dense_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps, _
     # all-reduce completes (the functional AdamW, same arithmetic as opts' AdamW).
     models[TORCH_BEST] = _ddp(copy.deepcopy(base), device)
     models[TORCH_BEST]._register_fused_optim(torch.optim.AdamW, lr=1e-4)
-    losses.meta["pieces"] = models["cadence"].num_buckets
+    losses.meta.update(_bucket_meta(models["cadence"]))
 
     def step(k: str) -> None:
         losses.mark(k)
@@ -443,7 +455,7 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
     towers["cadence"].hold_last_buckets(
         min(spec["hold"], towers["cadence"].num_buckets), only_while_busy=True
     )
-    losses.meta["pieces"] = towers["cadence"].num_buckets
+    losses.meta.update(_bucket_meta(towers["cadence"]))
     # cadence's variants exchange the bag's gradient as its lookups: each rank's ids
     # and pooled output gradient (see [Note: exchanging an embedding's gradient as its
     # inputs] in data_parallel/_embedding_exchange.py); torch's all-reduce its rows.
@@ -635,7 +647,7 @@ def _nanogpt_dp_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Ste
         model.require_backward_grad_sync = flag  # nanoGPT's spelling, DDP's flag
 
     steps, losses = _nanogpt_loop(models, opts, spec, x, y, set_sync, losses)
-    losses.meta["pieces"] = models["cadence"].num_buckets
+    losses.meta.update(_bucket_meta(models["cadence"]))
     return steps, losses
 
 
