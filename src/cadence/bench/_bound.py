@@ -12,7 +12,8 @@ On a link, a step's communication is wire time while the cores are free. Its fig
   self-check measured;
 - serial = ``C + W``: nothing overlapped;
 - the bound: the shortest step the case's dependencies allow, with ``f`` = 1/pieces
-  (buckets, units) the share of one piece, taken as equal:
+  (buckets, units) the share of one piece, taken as equal (data-parallel buckets at
+  their own shares, where the record has them):
 
   * data parallel (``dense``, ``recommender``, ``nanogpt_dp``), with buckets of
     shares ``s_1 .. s_n`` of the dense bytes in the order backward fills them
