@@ -654,3 +654,22 @@ def test_the_efficiency_target_is_read_against_the_pattern_bound_and_the_cores()
     # The cores leave under C/10 of room: no efficiency, the cores set the step.
     row = _verdict_row(serial=120, pattern=101, cpu={"cadence": 134}, step=148)
     assert _efficiency_verdict(row) == "impossible (CPU-bound)"
+
+
+def test_the_recommender_is_held_to_both_of_its_ratio_targets() -> None:
+    """At the calibrated rate the recommender answers to torch's best (0.90) and to the
+    plain loop (0.80), each with what the bound allows; the slower rate to 1.00."""
+    from cadence.bench.report import _link_verdict
+
+    row = _verdict_row(serial=134, pattern=104, cpu={"cadence": 113, "torch": 120,
+                                                     "torch_best": 120}, step=124)  # fmt: skip
+    row["link"]["torch"]["measured_ms"] = 152.0
+    row["link"]["torch_best"]["measured_ms"] = 148.0
+    row |= {"case": "recommender", "rate": "calibrated",
+            "ratio": {"median": 0.83}, "ratio_best": {"median": 0.84}}  # fmt: skip
+    verdict = _link_verdict(row)
+    assert verdict.startswith(
+        "<= 0.90 of torch's best: met; <= 0.80 of torch: **missed** (the bound allows 0.74); "
+    ), verdict
+    row["rate"] = "4x slower"
+    assert _link_verdict(row) == "<= 1.00 of torch: met"
