@@ -12,9 +12,9 @@ schedule, backward being about twice a forward). The calibrated rate is bytes * 
 backward, to two significant digits. The larger side's bytes: where one side moves
 fewer (fully_shard's exchange reduce-scatter, the recommender's exchange of lookups),
 a rate set by the smaller would put the other's wire well above its backward, and
-the comparison would favour the side that set it. Each case then runs on a link of its own at that rate and at a quarter of it,
-and the rows land in one ``step-link`` record: one table per rate in
-``docs/benchmarks.md``.
+the comparison would favour the side that set it. Each case then runs on a link of
+its own at that rate and at a quarter of it, and the rows land in one ``step-link``
+record: one table per rate in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
