@@ -1,6 +1,6 @@
 """Overlap pattern (a): sparse work while the dense gradient all-reduce is in flight.
 
-Run:  python examples/overlap_sparse.py [--steps 5]
+Run:  python examples/overlap_sparse.py [--steps 5] [--exchange rows|lookups]
 
 A DLRM-shaped toy model: an ``nn.EmbeddingBag(sparse=True)`` (outside the
 wrapper, with its own SGD and its own exchange, so that this work can run while the
@@ -19,6 +19,13 @@ and ``dp.finalize_backward()`` waits for them afterwards:
 The event log records ``sparse_start`` / ``sparse_end`` marks on the same clock
 as the collectives, which is how the test proves the order.
 
+The embedding's gradient is averaged over the ranks in one of two ways:
+``--exchange rows`` all-reduces its sparse gradient, as torch DDP would;
+``--exchange lookups`` uses `cadence.data_parallel.EmbeddingExchange`, which
+gathers each rank's ids and the gradient of the bag's output (one row per bag
+instead of one per id) and launches that gather in backward. Both give the same
+gradient.
+
 This module also holds the model and data shared by
 ``examples/optimizer_in_backward.py`` and the tests.
 """
@@ -35,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cadence
+from cadence.data_parallel import EmbeddingExchange
 
 VOCAB = 64
 EMB_DIM = 8
@@ -105,7 +113,9 @@ def average_sparse_grad(comm: cadence.Comm, bag: nn.EmbeddingBag) -> None:
 class Trainer:
     """Per-rank state: wrapped dense tower, sparse embedding, their optimizers, one log."""
 
-    def __init__(self, seed: int = 0, lr: float = 0.05) -> None:
+    def __init__(self, seed: int = 0, lr: float = 0.05, exchange: str = "rows") -> None:
+        if exchange not in ("rows", "lookups"):
+            raise ValueError(f'exchange must be "rows" or "lookups", got {exchange!r}')
         self.log = cadence.EventLog()
         bag, mlp = build_models(seed)
         self.bag = bag
@@ -121,6 +131,11 @@ class Trainer:
             dist.new_group(backend="gloo"), event_log=self.log, name="sparse"
         )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # "lookups": the bag's gradient crosses as its ids and output gradient,
+        # launched in backward; finalize() waits it and writes bag.weight.grad.
+        self.exchange = (
+            EmbeddingExchange(self.bag, self.sparse_comm) if exchange == "lookups" else None
+        )
 
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, x, y = global_batch(step, self.world)
@@ -142,7 +157,10 @@ class Trainer:
         loss = F.mse_loss(forward(self.bag, self.dp, ids, x), y)
         loss.backward()  # launches every dense bucket, waits for none (manual mode)
         self.log.mark("sparse_start", step=step)
-        average_sparse_grad(self.sparse_comm, self.bag)
+        if self.exchange is not None:
+            self.exchange.finalize()
+        else:
+            average_sparse_grad(self.sparse_comm, self.bag)
         self.sparse_opt.step()
         self.log.mark("sparse_end", step=step)
         self.dp.finalize_backward()  # now wait the dense all-reduces and write .grad
@@ -166,8 +184,8 @@ def reference_step(
         opt.step()
 
 
-def rank_main(steps: int) -> dict[str, Any]:
-    trainer = Trainer()
+def rank_main(steps: int, exchange: str = "rows") -> dict[str, Any]:
+    trainer = Trainer(exchange=exchange)
     losses = [trainer.step_overlapped(step) for step in range(steps)]
     marks = {m.group: m for m in trainer.log.marks() if m.meta.get("step") == steps - 1}
     last = trainer.log.collectives("all_reduce", group="dp")[-trainer.dp.num_buckets :]
@@ -187,11 +205,17 @@ def rank_main(steps: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--exchange", choices=("rows", "lookups"), default="rows")
     args = parser.parse_args()
-    results = cadence.launch(rank_main, args.steps, nprocs=2, backend="gloo", num_threads=1)
+    results = cadence.launch(
+        rank_main, args.steps, args.exchange, nprocs=2, backend="gloo", num_threads=1
+    )
     r = results[0]
     n = r["buckets"]
-    print(f"pattern (a): {n} dense buckets, {args.steps} steps on 2 gloo ranks")
+    print(
+        f"pattern (a): {n} dense buckets, {args.steps} steps on 2 gloo ranks, "
+        f"the embedding's gradient exchanged as its {args.exchange}"
+    )
     print(f"  loss (rank 0): {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
     print(
         f"  last step: {r['issued_before_sparse']}/{n} dense all-reduces issued before "

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cadence.testing import max_abs_diff, named_grads, named_params
-from tests._scenarios import scenarios
+from tests._scenarios import cases, scenarios
 from tests.data_parallel.common import strip
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -30,10 +30,10 @@ def _dense_grad(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else (t.to_dense() if t.is_sparse else t)
 
 
-def _pattern_a() -> dict[str, Any]:
+def _pattern_a(exchange: str = "rows") -> dict[str, Any]:
     """Pattern (a) for STEPS steps: event order per step, grads and params against the oracle."""
     world = dist.get_world_size()
-    tr = ex_a.Trainer()
+    tr = ex_a.Trainer(exchange=exchange)
     bag_ref, mlp_ref, opts_ref = ex_a.reference_models()
     out: dict[str, Any] = {"buckets": tr.dp.num_buckets, "order": [], "grad": 0.0}
     for step in range(STEPS):
@@ -83,10 +83,15 @@ def a_dense_all_reduce_in_flight_across_the_sparse_work() -> None:
         assert o["waited_after_end"] == n, f"step {step}: {o}, {n} buckets"
 
 
-def a_matches_single_process_reference() -> None:
-    r = _pattern_a()
+def a_matches_single_process_reference(exchange: str) -> None:
+    """Either way of averaging the embedding's gradient (its rows all-reduced, or its
+    lookups gathered by EmbeddingExchange) trains as one process does; with lookups,
+    the dense buckets still fly across the sparse work."""
+    r = _pattern_a(exchange)
     assert r["grad"] < 1e-6, f"grads differ by {r['grad']:.3e}"
     assert r["param"] < 1e-6, f"params differ by {r['param']:.3e}"
+    n = r["buckets"]
+    assert all(o["waited_after_end"] == n for o in r["order"]), r["order"]
 
 
 def a_auto_mode_waits_before_the_sparse_work() -> None:
@@ -171,11 +176,15 @@ def b_hook_before_every_bucket_launched_raises() -> None:
     assert not tr.dp.pending, "finalize_backward() after backward left work pending"
 
 
-SCENARIOS = scenarios(
-    a_dense_all_reduce_in_flight_across_the_sparse_work,
-    a_auto_mode_waits_before_the_sparse_work,
-    a_matches_single_process_reference,
-    b_finalize_and_step_run_inside_backward,
-    b_matches_single_process_reference,
-    b_hook_before_every_bucket_launched_raises,
-)
+SCENARIOS = [
+    *scenarios(
+        a_dense_all_reduce_in_flight_across_the_sparse_work,
+        a_auto_mode_waits_before_the_sparse_work,
+    ),
+    *cases(a_matches_single_process_reference, "exchange", ["rows", "lookups"]),
+    *scenarios(
+        b_finalize_and_step_run_inside_backward,
+        b_matches_single_process_reference,
+        b_hook_before_every_bucket_launched_raises,
+    ),
+]
