@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cadence.comm import Comm, EventLog
 from cadence.data_parallel import DataParallelError, EmbeddingExchange
+from cadence.data_parallel._embedding_exchange import _Call, _Packing
 from tests._scenarios import Scenario, assert_raises, scenarios
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -261,6 +262,56 @@ def second_backward_through_one_forward_raises() -> None:
     exchange.finalize()
 
 
+def _gathered(bad: str) -> tuple[EmbeddingExchange, _Call]:
+    """An exchange and a call whose gathered bytes hold rank 0's valid lookups and rank
+    1's corrupted as ``bad`` says, as if a peer had sent them."""
+    bag = _module("bag", mode="sum")
+    exchange = EmbeddingExchange(bag, _comm())
+    packing = _Packing(id_dtype=torch.int32, off_dtype=torch.int32, grad_dtype=torch.float32,
+                       dim=DIM, has_offsets=True, has_weights=False)  # fmt: skip
+    ids = torch.tensor([1, 2, 3, 4])
+    offsets = torch.tensor([0, 2])
+    width = packing.size(4, 2)
+    gathered = torch.zeros(2 * width, dtype=torch.uint8)
+    good = _Call(ids, offsets, None, torch.zeros(2, 2, dtype=torch.long), None)
+    packing.pack(good, torch.ones(2, DIM), gathered[:width])
+    theirs = _Call(
+        torch.tensor([1, VOCAB, 3, 4]) if bad == "ids" else ids,
+        torch.tensor([0, 5]) if bad == "offsets" else offsets,
+        None, torch.zeros(2, 2, dtype=torch.long), None,
+    )  # fmt: skip
+    packing.pack(theirs, torch.ones(2, DIM), gathered[width:])
+    call = _Call(ids, offsets, None, torch.tensor([[4, 2], [4, 2]]), None)
+    call.packing, call.gathered = packing, gathered
+    return exchange, call
+
+
+def refuses_a_peers_corrupt_lookups() -> None:
+    """Gathered bytes the kernel would read out of bounds with are refused, naming the
+    rank that sent them; sizes with a negative count are refused before any gather."""
+    for bad, fragment in (("ids", f"outside [0, {VOCAB})"), ("offsets", "bag offsets")):
+        exchange, call = _gathered(bad)
+        assert_raises(
+            lambda e=exchange, c=call: e._world_grad(c),  # type: ignore[misc]
+            "rank 1",
+            fragment,
+            kind=DataParallelError,
+        )
+    exchange, call = _gathered("none")
+    assert exchange._world_grad(call).is_sparse is False  # the same bytes, uncorrupted
+    if dist.get_world_size() > 1:
+        log = EventLog()
+        exchange = EmbeddingExchange(_module("bag", mode="sum"), _comm(log))
+        negative = _Call(torch.tensor([1]), torch.tensor([0]), None,
+                         torch.tensor([[1, 1], [-3, 1]]), None)  # fmt: skip
+        assert_raises(
+            lambda: exchange._launch(negative, torch.ones(1, DIM)),
+            "negative count",
+            kind=DataParallelError,
+        )
+        assert log.count() == 0, "a gather was issued for corrupt sizes"
+
+
 def _each_config() -> list[Scenario]:
     fn: Callable[..., None] = matches_one_process_on_the_world_batch
     return [Scenario(f"{fn.__name__}-{c}", fn, {"config": c}) for c in CONFIGS]
@@ -277,5 +328,6 @@ SCENARIOS = [
         refuses_what_it_cannot_exchange,
         finalize_before_backward_raises_locally,
         second_backward_through_one_forward_raises,
+        refuses_a_peers_corrupt_lookups,
     ),
 ]

@@ -9,7 +9,8 @@
   backward and waited in ``finalize``, under a tenth of the sparse rows' bytes for
   bags of 16; world 1 issues none.
 - The async handle, micro-batch accumulation, an existing ``.grad``, ``no_grad``
-  forwards, ``remove()``; refusals name cause and fix, before any collective.
+  forwards, ``remove()``; refusals name cause and fix, before any collective; a
+  peer's corrupt lookups are refused naming the rank.
 
 The scenarios, with their assertions, are in ``bodies_embedding``.
 """

@@ -269,7 +269,13 @@ class EmbeddingExchange:
             has_offsets=call.offsets is not None,
             has_weights=call.weights is not None,
         )
-        width = max(packing.size(int(n), int(r)) for n, r in call.sizes.tolist())
+        sizes = call.sizes.tolist()
+        if any(n < 0 or r < 0 for n, r in sizes):  # every rank gathered the same sizes
+            raise DataParallelError(
+                f"EmbeddingExchange: the ranks' lookup sizes {sizes} hold a negative count; "
+                "a rank sent a corrupt size. Every rank refuses the same gather."
+            )
+        width = max(packing.size(int(n), int(r)) for n, r in sizes)
         mine = torch.zeros(width, dtype=torch.uint8, device=grad.device)
         packing.pack(call, grad, mine)
         gathered = torch.empty(self.comm.world_size * width, dtype=torch.uint8, device=grad.device)
@@ -362,6 +368,7 @@ class EmbeddingExchange:
             part = packing.unpack(gathered[r * width : (r + 1) * width], n_ids, n_rows)
             rank_ids, rank_offsets, rank_weights, rank_grad = part
             assert rank_ids is not None and rank_grad is not None
+            self._check_lookups(r, rank_ids, rank_offsets, n_ids)
             ids.append(rank_ids.long())
             if rank_offsets is not None:
                 offsets.append(rank_offsets.long() + base)
@@ -375,6 +382,26 @@ class EmbeddingExchange:
             torch.cat(weights) if weights else None,
             torch.cat(grads),
         )
+
+    def _check_lookups(
+        self, rank: int, ids: torch.Tensor, offsets: torch.Tensor | None, n_ids: int
+    ) -> None:
+        """Refuse a peer's lookups that the kernel would read out of bounds with. Every
+        rank holds the same gathered bytes, so every rank refuses the same rank's."""
+        num = self.module.num_embeddings
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num):
+            raise DataParallelError(
+                f"EmbeddingExchange: rank {rank} sent ids outside [0, {num}); its lookups "
+                "or its bytes are corrupt. Check that every rank builds the same table."
+            )
+        if offsets is None or not offsets.numel():
+            return
+        starts = offsets.long()
+        if int(starts[0]) != 0 or int(starts[-1]) > n_ids or bool((starts.diff() < 0).any()):
+            raise DataParallelError(
+                f"EmbeddingExchange: rank {rank} sent bag offsets that do not start at 0 and "
+                f"rise within its {n_ids} ids; its bytes are corrupt."
+            )
 
     def remove(self) -> None:
         """Detach from the module: later forwards are plain lookups again."""
