@@ -204,6 +204,19 @@ def accumulates_micro_batches_and_existing_grads() -> None:
     torch.testing.assert_close(mine.weight.grad, ref.weight.grad)
 
 
+def op_sum_adds_instead_of_averaging() -> None:
+    """``op="sum"``: the ranks' gradients added, the world times the average."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    summed, averaged = _module("bag", mode="mean"), _module("bag", mode="mean")
+    exchanges = [EmbeddingExchange(summed, _comm(), op="sum"), EmbeddingExchange(averaged, _comm())]
+    args, kwargs = _inputs("offsets", rank, 0)
+    for m, exchange in zip((summed, averaged), exchanges, strict=True):
+        _loss(m(*args, **kwargs), rank).backward()
+        exchange.finalize()
+    assert summed.weight.grad is not None and averaged.weight.grad is not None
+    torch.testing.assert_close(summed.weight.grad, world * averaged.weight.grad)
+
+
 def no_grad_forwards_are_not_recorded() -> None:
     bag = _module("bag", mode="mean")
     exchange = EmbeddingExchange(bag, _comm())
@@ -324,6 +337,7 @@ SCENARIOS = [
         moves_its_inputs_not_its_rows,
         async_handle_writes_on_wait,
         accumulates_micro_batches_and_existing_grads,
+        op_sum_adds_instead_of_averaging,
         no_grad_forwards_are_not_recorded,
         refuses_what_it_cannot_exchange,
         finalize_before_backward_raises_locally,
