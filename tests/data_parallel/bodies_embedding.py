@@ -138,7 +138,7 @@ def matches_torch_ddp() -> None:
 
 
 def moves_its_inputs_not_its_rows() -> None:
-    """Per forward: one gather of the two sizes at forward, one of the packed lookups
+    """Per forward: one gather of the sizes at forward, one of the packed lookups
     issued in backward and waited in finalize; for bags of 16 ids, under a tenth of
     the bytes of the sparse gradient's rows."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -161,7 +161,7 @@ def moves_its_inputs_not_its_rows() -> None:
         return
     sizes, payload = [e for e in log.events if e.kind == "all_gather"]
     mark = next(e for e in log.events if e.kind == "mark")
-    assert sizes.nbytes == 16 * world, sizes
+    assert sizes.nbytes == 24 * world, sizes
     assert payload.issue_t < mark.issue_t <= payload.wait_start_t, (payload, mark)  # type: ignore[operator]
     rows_bytes = world * ids.numel() * dim * 4  # the sparse gradient's values, every rank's
     assert payload.nbytes < rows_bytes / 10, (payload.nbytes, rows_bytes)
@@ -286,22 +286,23 @@ def _gathered(bad: str) -> tuple[EmbeddingExchange, _Call]:
     offsets = torch.tensor([0, 2])
     width = packing.size(4, 2)
     gathered = torch.zeros(2 * width, dtype=torch.uint8)
-    good = _Call(ids, offsets, None, torch.zeros(2, 2, dtype=torch.long), None)
+    good = _Call(ids, offsets, None, torch.zeros(2, 3, dtype=torch.long), None)
     packing.pack(good, torch.ones(2, DIM), gathered[:width])
     theirs = _Call(
         torch.tensor([1, VOCAB, 3, 4]) if bad == "ids" else ids,
         torch.tensor([0, 5]) if bad == "offsets" else offsets,
-        None, torch.zeros(2, 2, dtype=torch.long), None,
+        None, torch.zeros(2, 3, dtype=torch.long), None,
     )  # fmt: skip
     packing.pack(theirs, torch.ones(2, DIM), gathered[width:])
-    call = _Call(ids, offsets, None, torch.tensor([[4, 2], [4, 2]]), None)
+    call = _Call(ids, offsets, None, torch.tensor([[4, 2, 0], [4, 2, 0]]), None)
     call.packing, call.gathered = packing, gathered
     return exchange, call
 
 
 def refuses_a_peers_corrupt_lookups() -> None:
     """Gathered bytes the kernel would read out of bounds with are refused, naming the
-    rank that sent them; sizes with a negative count are refused before any gather."""
+    rank that sent them; sizes with a negative count, or ranks that disagree on
+    per-sample weights, are refused before any gather."""
     for bad, fragment in (("ids", f"outside [0, {VOCAB})"), ("offsets", "bag offsets")):
         exchange, call = _gathered(bad)
         assert_raises(
@@ -316,10 +317,17 @@ def refuses_a_peers_corrupt_lookups() -> None:
         log = EventLog()
         exchange = EmbeddingExchange(_module("bag", mode="sum"), _comm(log))
         negative = _Call(torch.tensor([1]), torch.tensor([0]), None,
-                         torch.tensor([[1, 1], [-3, 1]]), None)  # fmt: skip
+                         torch.tensor([[1, 1, 0], [-3, 1, 0]]), None)  # fmt: skip
         assert_raises(
             lambda: exchange._launch(negative, torch.ones(1, DIM)),
             "negative count",
+            kind=DataParallelError,
+        )
+        mixed = _Call(torch.tensor([1]), torch.tensor([0]), None,
+                      torch.tensor([[1, 1, 0], [1, 1, 1]]), None)  # fmt: skip
+        assert_raises(
+            lambda: exchange._launch(mixed, torch.ones(1, DIM)),
+            "on every rank or on none",
             kind=DataParallelError,
         )
         assert log.count() == 0, "a gather was issued for corrupt sizes"

@@ -474,7 +474,7 @@ def _recommender_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[St
         sparse_comm.all_reduce(one_grad.clone(), op="avg")
 
     def exchange_lookups() -> None:
-        # The forward's 16-byte size gather is counted with it: a few hundred bytes
+        # The forward's 24-byte size gather is counted with it: a few hundred bytes
         # with the headers, against the exchange's 0.3 MiB a rank.
         pooled(ids).sum().backward()
         pooled_exchange.finalize()

@@ -23,8 +23,10 @@ bytes grow with the world as gloo's sparse all-reduce's do; where the world's id
 approach the table's rows, a dense all-reduce of the table is the smaller exchange.
 
 Timing. Ranks may look up different numbers of ids, and gloo's all-gather needs one
-size: each forward launches a gather of its two sizes (16 bytes), waited at backward,
-long landed by then. Backward launches the one gather of the packed ids, offsets,
+size: each forward launches a gather of its sizes and whether it has per-sample
+weights (24 bytes), waited at backward, long landed by then. The packing follows from
+what every rank sent, so the ranks agree on it: the offsets' width from the largest
+count, and a rank with weights where another has none is refused on every rank. Backward launches the one gather of the packed ids, offsets,
 weights and output gradient (`_Packing`) as soon as the output's gradient exists,
 which for the usual model, the embedding first, is the end of backward. The caller
 decides where it is waited (`finalize`), as with `DataParallel.finalize_backward`.
@@ -60,7 +62,7 @@ class _Call:
     ids: torch.Tensor  # 1-D
     offsets: torch.Tensor | None  # 1-D bag starts (no last offset); None: an Embedding
     weights: torch.Tensor | None  # per_sample_weights, 1-D, or None
-    sizes: torch.Tensor  # world x 2: every rank's (ids, rows of the output gradient)
+    sizes: torch.Tensor  # world x 3: every rank's (ids, rows of its gradient, has weights)
     sizes_work: CommWork | None
     packing: _Packing | None = None
     gathered: torch.Tensor | None = None
@@ -239,12 +241,14 @@ class EmbeddingExchange:
             return None
         ids, offsets, weights = self._inputs(args, kwargs)
         rows = ids.numel() if offsets is None else offsets.numel()
-        mine = torch.tensor([ids.numel(), rows], dtype=torch.int64, device=ids.device)
+        mine = torch.tensor(
+            [ids.numel(), rows, int(weights is not None)], dtype=torch.int64, device=ids.device
+        )
         sizes, work = mine.unsqueeze(0), None
         if self.comm.world_size > 1:
-            flat = torch.empty(2 * self.comm.world_size, dtype=torch.int64, device=ids.device)
+            flat = torch.empty(3 * self.comm.world_size, dtype=torch.int64, device=ids.device)
             work = self.comm.all_gather_single(flat, mine, async_op=True)
-            sizes = flat.view(-1, 2)
+            sizes = flat.view(-1, 3)
         call = _Call(ids.detach(), offsets, weights, sizes, work)
         self._calls.append(call)
         return _Capture.apply(self.module.weight, output.detach(), lambda g: self._launch(call, g))
@@ -261,21 +265,28 @@ class EmbeddingExchange:
             return
         if call.sizes_work is not None:
             call.sizes_work.wait()
+        # Every rank gathered the same sizes, so every rank refuses (or packs) alike.
+        sizes = [(n, r) for n, r, _ in call.sizes.tolist()]
+        if any(n < 0 or r < 0 for n, r in sizes):
+            raise DataParallelError(
+                f"EmbeddingExchange: the ranks' lookup sizes {sizes} hold a negative count; "
+                "a rank sent a corrupt size. Every rank refuses the same gather."
+            )
+        with_weights = {bool(w) for *_, w in call.sizes.tolist()}
+        if len(with_weights) > 1:
+            raise DataParallelError(
+                "EmbeddingExchange: some ranks passed per_sample_weights and some did not; "
+                "pass them on every rank or on none."
+            )
         packing = _Packing(
             id_dtype=self._id_dtype,
-            off_dtype=torch.int32 if call.ids.numel() < 2**31 else torch.int64,
+            off_dtype=torch.int32 if max(n for n, _ in sizes) < 2**31 else torch.int64,
             grad_dtype=grad.dtype,
             dim=grad.shape[-1],
             has_offsets=call.offsets is not None,
             has_weights=call.weights is not None,
         )
-        sizes = call.sizes.tolist()
-        if any(n < 0 or r < 0 for n, r in sizes):  # every rank gathered the same sizes
-            raise DataParallelError(
-                f"EmbeddingExchange: the ranks' lookup sizes {sizes} hold a negative count; "
-                "a rank sent a corrupt size. Every rank refuses the same gather."
-            )
-        width = max(packing.size(int(n), int(r)) for n, r in sizes)
+        width = max(packing.size(n, r) for n, r in sizes)
         mine = torch.zeros(width, dtype=torch.uint8, device=grad.device)
         packing.pack(call, grad, mine)
         gathered = torch.empty(self.comm.world_size * width, dtype=torch.uint8, device=grad.device)
@@ -360,7 +371,7 @@ class EmbeddingExchange:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         packing, gathered = call.packing, call.gathered
         assert packing is not None and gathered is not None
-        sizes = call.sizes.tolist()
+        sizes = [(n, r) for n, r, _ in call.sizes.tolist()]
         width = gathered.numel() // len(sizes)
         ids, offsets, weights, grads = [], [], [], []
         base = 0
