@@ -395,12 +395,13 @@ def _room(row: dict[str, Any]) -> str:
     return f"{(f['serial_ms'] - f['bound_ms']) / c:.2f}"
 
 
-def _efficiency(row: dict[str, Any], variant: str) -> float | None:
-    """Recomputed from the record's times, so every record reads by today's rule."""
+def _efficiency(row: dict[str, Any], variant: str, bound: str = "bound_ms") -> float | None:
+    """Recomputed from the record's times, so every record reads by today's rule;
+    against ``bound`` (the larger bound, or ``pattern_bound_ms`` alone)."""
     from cadence.bench._bound import efficiency
 
     f = row["link"][variant]
-    return efficiency(serial=f["serial_ms"], bound=f["bound_ms"], measured=f["measured_ms"],
+    return efficiency(serial=f["serial_ms"], bound=f[bound], measured=f["measured_ms"],
                       compute=row["link"]["compute_ms"])  # fmt: skip
 
 
@@ -465,12 +466,7 @@ def _cores_limit(row: dict[str, Any]) -> float | None:
 def _efficiency_verdict(row: dict[str, Any]) -> str:
     """The calibrated rate's efficiency target, by [Note: an efficiency target the cores
     rule out]."""
-    from cadence.bench._bound import efficiency
-
-    lk = row["link"]
-    f = lk["cadence"]
-    on_pattern = efficiency(serial=f["serial_ms"], bound=f["pattern_bound_ms"],
-                            measured=f["measured_ms"], compute=lk["compute_ms"])  # fmt: skip
+    on_pattern = _efficiency(row, "cadence", "pattern_bound_ms")
     if on_pattern is None or _efficiency(row, "cadence") is None:
         return f"impossible ({_no_efficiency(row, 'cadence')})"
     if on_pattern >= LINK_EFFICIENCY_TARGET:

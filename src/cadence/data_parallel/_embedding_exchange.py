@@ -12,7 +12,7 @@ instead; for a sparse table gloo gathers every rank's rows, one row of ``dim``
 values per id looked up. For an ``EmbeddingBag`` with bags of ``L`` ids the output
 gradient has one row per bag, so the exchange moves about ``L`` times fewer values
 (plus the ids, 4 bytes each where the table has fewer than 2**31 rows); for a dense
-table it moves the rows looked up instead of the whole table.
+table an all-reduce moves the whole table, the exchange still only the lookups.
 
 The backward on the concatenation is torch's own (``F.embedding_bag`` /
 ``F.embedding`` on a view of the weight), so ``padding_idx``, a mean's bag sizes and
@@ -26,9 +26,10 @@ Timing. Ranks may look up different numbers of ids, and gloo's all-gather needs 
 size: each forward launches a gather of its sizes and whether it has per-sample
 weights (24 bytes), waited at backward, long landed by then. The packing follows from
 what every rank sent, so the ranks agree on it: the offsets' width from the largest
-count, and a rank with weights where another has none is refused on every rank. Backward launches the one gather of the packed ids, offsets,
-weights and output gradient (`_Packing`) as soon as the output's gradient exists,
-which for the usual model, the embedding first, is the end of backward. The caller
+count, and a rank with weights where another has none is refused on every rank.
+Backward launches the one gather of the packed ids, offsets, weights and output
+gradient (`_Packing`) as soon as the output's gradient exists, which for the usual
+model, the embedding first, is the end of backward. The caller
 decides where it is waited (`finalize`), as with `DataParallel.finalize_backward`.
 """
 
@@ -266,13 +267,14 @@ class EmbeddingExchange:
         if call.sizes_work is not None:
             call.sizes_work.wait()
         # Every rank gathered the same sizes, so every rank refuses (or packs) alike.
-        sizes = [(n, r) for n, r, _ in call.sizes.tolist()]
+        gathered_sizes = call.sizes.tolist()
+        sizes = [(n, r) for n, r, _ in gathered_sizes]
         if any(n < 0 or r < 0 for n, r in sizes):
             raise DataParallelError(
                 f"EmbeddingExchange: the ranks' lookup sizes {sizes} hold a negative count; "
                 "a rank sent a corrupt size. Every rank refuses the same gather."
             )
-        with_weights = {bool(w) for *_, w in call.sizes.tolist()}
+        with_weights = {bool(w) for *_, w in gathered_sizes}
         if len(with_weights) > 1:
             raise DataParallelError(
                 "EmbeddingExchange: some ranks passed per_sample_weights and some did not; "
