@@ -306,13 +306,13 @@ def refuses_a_peers_corrupt_lookups() -> None:
     for bad, fragment in (("ids", f"outside [0, {VOCAB})"), ("offsets", "bag offsets")):
         exchange, call = _gathered(bad)
         assert_raises(
-            lambda e=exchange, c=call: e._world_grad(c),  # type: ignore[misc]
+            lambda e=exchange, c=call: e._world_grad(c, 1),  # type: ignore[misc]
             "rank 1",
             fragment,
             kind=DataParallelError,
         )
     exchange, call = _gathered("none")
-    assert exchange._world_grad(call).is_sparse is False  # the same bytes, uncorrupted
+    assert exchange._world_grad(call, 1).is_sparse is False  # the same bytes, uncorrupted
     if dist.get_world_size() > 1:
         log = EventLog()
         exchange = EmbeddingExchange(_module("bag", mode="sum"), _comm(log))

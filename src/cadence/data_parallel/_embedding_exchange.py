@@ -6,8 +6,8 @@ An embedding's weight gradient is a function of two things only: the ids it look
 up (with a bag's offsets and per-sample weights) and the gradient of its output. It
 is linear in the second, and nothing else of the model enters it. So the average of
 every rank's gradient is the gradient of the whole world's batch: gather each rank's
-ids and output gradient, run the lookup's own backward on the concatenation, divide
-by the world. torch's DDP (and the plain loop) all-reduces the weight gradient
+ids and output gradient, divide the gradients by the world, run the lookup's own
+backward on the concatenation. torch's DDP (and the plain loop) all-reduces the weight gradient
 instead; for a sparse table gloo gathers every rank's rows, one row of ``dim``
 values per id looked up. For an ``EmbeddingBag`` with bags of ``L`` ids the output
 gradient has one row per bag, so the exchange moves about ``L`` times fewer values
@@ -331,18 +331,21 @@ class EmbeddingExchange:
         return None
 
     def _write(self, calls: list[_Call]) -> None:
+        # The average divides the output's gradient (a row per bag) before the lookup
+        # backward, not the table's gradient after it (a row per id, bag-length times
+        # more values): the backward is linear in it, and for a power-of-two world the
+        # result is bitwise the same.
+        divide = self.comm.world_size if self.op == "avg" and self.comm.world_size > 1 else 1
         total: torch.Tensor | None = None
         for call in calls:
-            grad = self._world_grad(call)
+            grad = self._world_grad(call, divide)
             total = grad if total is None else total + grad
         if total is None:
             return
-        if self.op == "avg" and self.comm.world_size > 1:
-            total = total / self.comm.world_size
         weight = self.module.weight
         weight.grad = total if weight.grad is None else weight.grad + total
 
-    def _world_grad(self, call: _Call) -> torch.Tensor:
+    def _world_grad(self, call: _Call, divide: int) -> torch.Tensor:
         """The table's gradient for every rank's lookups of this call, by torch's own
         backward on their concatenation."""
         if call.local_grad is not None:
@@ -365,7 +368,10 @@ class EmbeddingExchange:
                     padding_idx=module.padding_idx,
                 )
             # The output's gradient arrives in the dtype the model's backward gave it.
-            (result,) = torch.autograd.grad(out, leaf, grad.to(out.dtype))
+            out_grad = grad.to(out.dtype)
+            if divide > 1:
+                out_grad = out_grad / divide
+            (result,) = torch.autograd.grad(out, leaf, out_grad)
         return result
 
     def _concatenated(
