@@ -66,6 +66,21 @@ variant's bound is the larger of its pattern's and its CPU bound; where the CPU 
 reaches the serial time, nothing is left to hide and the efficiency is not defined
 (shown as "-": the cores, not the wire, set the step).
 
+[Note: the cores after the last backward starts]
+The whole step's CPU over the cores assumes that work could sit anywhere in the step.
+It cannot: a reduction's copies and sums need the gradient it reduces, and the last
+backward, the optimizer and the sparse half need the loss. The CPU a variant spends
+from the start of its last backward to the step's end (``cpu_after``, every rank's
+threads, measured per step at that phase mark) must fit on the cores after that
+start, and that start is no earlier than compute alone reaches it (``F``, the plain
+variant's). So a step takes at least ``F + cpu_after / cores``. Where communication
+and compute share the cores after backward starts (data parallel: every reduction;
+nanoGPT's accumulation: every reduction sits in the last of four backwards), this
+binds before the whole step's CPU over the cores does, which credits the cores with
+the idle time of the forward. The CPU bound is the larger of the two. Both are the
+variant's own CPU on this machine: a variant with less work (less Python, fewer
+copies) would have a lower one.
+
 Each pattern bound is the same for cadence and torch: a variant that steps the
 optimizer after the whole reduction (the plain loop) cannot reach it, which is part
 of what the comparison shows. Overlap efficiency = (serial - measured) / (serial -
@@ -79,7 +94,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["bound_ms", "efficiency", "link_figures", "recomputed"]
+__all__ = ["bound_ms", "cpu_bound_ms", "efficiency", "link_figures", "recomputed"]
 
 # Below this share of compute alone left to hide, efficiency is not defined.
 MIN_HIDEABLE = 0.10
@@ -169,10 +184,24 @@ def _phases(per_rank: list[dict[str, Any]]) -> list[float]:
     return [max(col) for col in zip(*per, strict=True)]
 
 
-def _cpu_seconds(per_rank: list[dict[str, Any]], variant: str) -> float:
-    """A step's CPU seconds, every rank's threads together (median over repetitions)."""
-    per_rep = [float(sum(c)) for c in zip(*(r["cpu"][variant] for r in per_rank), strict=True)]
+def _cpu_seconds(per_rank: list[dict[str, Any]], variant: str, key: str = "cpu") -> float:
+    """A step's CPU seconds (``key="cpu_after"``: from the start of the last backward),
+    every rank's threads together, median over repetitions."""
+    per_rep = [float(sum(c)) for c in zip(*(r[key][variant] for r in per_rank), strict=True)]
     return statistics.median(per_rep)
+
+
+def cpu_bound_ms(
+    *, cpu_ms: float, before_ms: float, cpu_after_ms: float | None, cores: int
+) -> float:
+    """The cores' bound of [Note: the cores after the last backward starts]: all ranks'
+    CPU over the cores, or the compute before the last backward and the CPU after its
+    start over the cores, whichever is larger (the first alone where a record kept no
+    ``cpu_after``)."""
+    whole = cpu_ms / cores
+    if cpu_after_ms is None:
+        return whole
+    return max(whole, before_ms + cpu_after_ms / cores)
 
 
 def link_figures(
@@ -224,9 +253,17 @@ def link_figures(
             kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0, b0=b0, late=late, shares=shares
         )
         measured = 1e3 * statistics.median(times[v])
-        cpu_bound = 1e3 * _cpu_seconds(per_rank, v) / (os.cpu_count() or 1)
+        after = all(v in r.get("cpu_after", {}) for r in per_rank)
+        cpu_after = 1e3 * _cpu_seconds(per_rank, v, "cpu_after") if after else None
+        cpu_bound = cpu_bound_ms(
+            cpu_ms=1e3 * _cpu_seconds(per_rank, v),
+            before_ms=f_,
+            cpu_after_ms=cpu_after,
+            cores=os.cpu_count() or 1,
+        )
         pattern_bound, bound = bound, max(bound, cpu_bound)
         out[v] = {
+            "cpu_after_ms": cpu_after,
             "wire_ms": w,
             "late_wire_ms": late,
             "serial_ms": serial,

@@ -63,12 +63,13 @@ _NOTES = {
         "slower. Every byte any rank sends is counted on the link's one queue. Per\n"
         "side: MiB on the wire per step; wire time, the bound perfect overlap allows\n"
         "for the case's pattern and the CPU bound (all ranks' CPU seconds over the\n"
-        "cores), and the step, as multiples of compute alone (C); overlap efficiency =\n"
-        "(serial - step) / (serial - bound), with serial = C + wire and bound the larger\n"
-        "of the two bounds; room = serial - bound, what overlap could hide at best\n"
+        "cores, or the compute before the last backward and the CPU after its start\n"
+        "over the cores, the larger), and the step, as multiples of compute alone (C);\n"
+        "overlap efficiency = (serial - step) / (serial - bound), with serial = C + wire\n"
+        "and bound the larger of the two bounds; room = serial - bound, what overlap could hide at best\n"
         "(cadence's); efficiency is not defined where the room is under C/10\n"
         '("CPU-bound" where the CPU bound is the larger bound). Targets: at the\n'
-        "calibrated rate efficiency >= 0.90 and a ratio per case, at the slower rate\n"
+        "calibrated rate efficiency >= 0.90 and a ratio per case, at both rates\n"
         "never slower than torch (`LINK_TARGETS`). The efficiency target is read\n"
         "against the pattern bound alone, and is impossible where the cores cannot reach\n"
         "it there ([Note: an efficiency target the cores rule out] in\n"
@@ -420,8 +421,10 @@ def _eff(row: dict[str, Any], variant: str) -> str:
 
 # The link's targets: overlap efficiency >= 0.90 at the calibrated rate, and per case a
 # ratio against torch's plain loop ("torch") or its strongest configuration
-# ("torch_best"); at the slower rate, never slower than torch.
+# ("torch_best"); at either rate, never slower than torch (checked beside a case's own
+# ratio at the calibrated rate: a stricter one the bound rules out leaves it standing).
 LINK_EFFICIENCY_TARGET = 0.90
+NEVER_SLOWER = ("torch", 1.00)
 LINK_TARGETS: dict[str, tuple[tuple[str, float], ...]] = {
     "dense_adamw": (("torch", 0.92),),
     "fsdp_adamw": (("torch", 0.85),),
@@ -499,7 +502,9 @@ def _ratio_verdict(row: dict[str, Any], against: str, target: float) -> str | No
 
 def _link_verdict(row: dict[str, Any]) -> str:
     calibrated = row["rate"] == "calibrated"
-    targets = LINK_TARGETS.get(row["case"], (("torch", 1.0),)) if calibrated else (("torch", 1.0),)
+    targets = LINK_TARGETS.get(row["case"], ()) if calibrated else ()
+    if NEVER_SLOWER not in targets:
+        targets = (*targets, NEVER_SLOWER)
     out = [v for against, target in targets if (v := _ratio_verdict(row, against, target))]
     if calibrated:
         out.append(f"eff >= {LINK_EFFICIENCY_TARGET:.2f}: {_efficiency_verdict(row)}")

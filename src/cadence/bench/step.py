@@ -187,6 +187,11 @@ class _CaseProbe:
 
         self.seen: dict[str, list[Any]] = {k: [] for k in (*VARIANTS, TORCH_BEST)}
         self.phases: list[list[float]] = []
+        # Per variant and step: the CPU seconds of this rank (every thread) from the start
+        # of its last backward to the step's end, what the cores' share of the bound
+        # reads (see [Note: the cores after the last backward starts] in _bound.py).
+        self.cpu_after: dict[str, list[float]] = {k: [] for k in (*VARIANTS, TORCH_BEST)}
+        self._cpu_marks: dict[str, list[float]] = {}
         self.meta: dict[str, Any] = {}
         self.late: dict[str, Callable[[], None]] = {}
         self._marks: list[float] = []
@@ -249,6 +254,11 @@ class _CaseProbe:
         if self.tracing:
             device_sync()()
             self.traced.setdefault(k, []).append(time.perf_counter())
+        cpu_marks = self._cpu_marks.setdefault(k, [])
+        cpu_marks.append(time.process_time())
+        if last:
+            self.cpu_after[k].append(cpu_marks[-1] - cpu_marks[1])
+            cpu_marks.clear()
         if k != "plain":
             return
         device_sync()()
@@ -794,7 +804,8 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[
         cpu: dict[str, list[float]] = {}
         times = interleave(steps, warmup=warmup, reps=reps, cpu=cpu)
         out[name] = {"times": times, "cpu": cpu, "losses": losses.floats(),
-                     "phases": losses.phases[warmup:], "meta": losses.meta}  # fmt: skip
+                     "phases": losses.phases[warmup:], "meta": losses.meta,
+                     "cpu_after": {k: v[warmup:] for k, v in losses.cpu_after.items() if v}}  # fmt: skip
         if on_link:  # every rank reads the one shared counter; rank 0's is kept
             out[name]["wire_bytes"] = {k: _bytes_per_step(f, 3) for k, f in steps.items()}
             out[name]["late_bytes"] = {v: _bytes_per_step(f, 3) for v, f in losses.late.items()}
