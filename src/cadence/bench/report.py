@@ -66,8 +66,9 @@ _NOTES = {
         "cores, or the compute before the last backward and the CPU after its start\n"
         "over the cores, the larger), and the step, as multiples of compute alone (C);\n"
         "overlap efficiency = (serial - step) / (serial - bound), with serial = C + wire\n"
-        "and bound the larger of the two bounds; room = serial - bound, what overlap could hide at best\n"
-        "(cadence's); efficiency is not defined where the room is under C/10\n"
+        "and bound the larger of the two bounds; room = serial - bound, what overlap\n"
+        "could hide at best (cadence's); efficiency is not defined where the room is\n"
+        "under C/10\n"
         '("CPU-bound" where the CPU bound is the larger bound). Targets: at the\n'
         "calibrated rate efficiency >= 0.90 and a ratio per case, at both rates\n"
         "never slower than torch (`LINK_TARGETS`). The efficiency target is read\n"
