@@ -139,6 +139,10 @@ class Reducer:
         # parameter's (reduce_dtype), with find_unused_parameters (a parameter no
         # rank used must keep its old .grad untouched, and its stale view would be
         # rescaled in place) or for a gradient that carries a graph (create_graph).
+        # The cost, on CPU: the dropped tensor is freed mid-backward, and glibc returns
+        # such blocks to the system and faults them in again (several times DDP's page
+        # faults a step, docs/benchmarks.md); keeping it until the next forward would
+        # avoid that at the price of the second copy adoption saves. Not done.
         self.adopt = [
             not gradient_as_bucket_view
             and not find_unused_parameters
