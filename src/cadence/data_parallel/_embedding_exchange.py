@@ -6,13 +6,14 @@ An embedding's weight gradient is a function of two things only: the ids it look
 up (with a bag's offsets and per-sample weights) and the gradient of its output. It
 is linear in the second, and nothing else of the model enters it. So the average of
 every rank's gradient is the gradient of the whole world's batch: gather each rank's
-ids and output gradient, divide the gradients by the world, run the lookup's own
-backward on the concatenation. torch's DDP (and the plain loop) all-reduces the weight gradient
-instead; for a sparse table gloo gathers every rank's rows, one row of ``dim``
-values per id looked up. For an ``EmbeddingBag`` with bags of ``L`` ids the output
-gradient has one row per bag, so the exchange moves about ``L`` times fewer values
-(plus the ids, 4 bytes each where the table has fewer than 2**31 rows); for a dense
-table an all-reduce moves the whole table, the exchange still only the lookups.
+ids and output gradient, divide the output gradients by the world, run the lookup's
+own backward on the concatenation. torch's DDP (and the plain loop) all-reduces the
+weight gradient instead; for a sparse table gloo gathers every rank's rows, one row
+of ``dim`` values per id looked up. For an ``EmbeddingBag`` with bags of ``L`` ids
+the output gradient has one row per bag, so the exchange moves about ``L`` times
+fewer values (plus the ids, 4 bytes each where the table has fewer than 2**31 rows);
+for a dense table an all-reduce moves the whole table, the exchange still only the
+lookups.
 
 The backward on the concatenation is torch's own (``F.embedding_bag`` /
 ``F.embedding`` on a view of the weight), so ``padding_idx``, a mean's bag sizes and
