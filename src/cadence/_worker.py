@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import signal
@@ -16,6 +17,28 @@ def _write(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
+
+
+def _whole_lines() -> None:
+    """Make a rank's stdout and stderr write each line with one ``write(2)``.
+
+    [Note: a rank's lines stay whole] Every rank shares the launcher's descriptors 1
+    and 2. An unbuffered stream (``PYTHONUNBUFFERED``, or the fork server's streams a
+    warm rank inherits) hands ``print``'s text and its newline to the kernel apart, so
+    two ranks printing at once break each other's lines. A line-buffered stream over a
+    buffer flushes at each newline: a line reaches the descriptor whole, as promptly.
+    """
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        old.flush()
+        stream = io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(fd, "w", closefd=False)),
+            encoding=getattr(old, "encoding", None),
+            errors=getattr(old, "errors", None),
+            line_buffering=True,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
 
 
 def main(work: Path, rank: int) -> int:
@@ -60,6 +83,7 @@ def main(work: Path, rank: int) -> int:
 
 
 if __name__ == "__main__":
+    _whole_lines()
     code = main(Path(sys.argv[1]), int(sys.argv[2]))
     sys.stdout.flush()
     sys.stderr.flush()

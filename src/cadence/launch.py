@@ -203,7 +203,6 @@ def launch(
                 "MASTER_PORT": str(port),
                 # A file rendezvous: no port race between concurrent launches.
                 "CADENCE_INIT_METHOD": f"file://{work / 'rendezvous'}",
-                "PYTHONUNBUFFERED": "1",
             }
         )
         loopback = _loopback_interface()

@@ -68,3 +68,14 @@ def say(word: str) -> None:
     print(f"{word} from rank {dist.get_rank()}", flush=True)
     if dist.get_rank() == 1:
         print(f"{word} on stderr from rank 1", file=sys.stderr, flush=True)
+
+
+def chatter(lines: int) -> None:
+    """Both ranks print at once, after a barrier, so that their lines would interleave."""
+    import sys
+
+    rank = dist.get_rank()
+    dist.barrier()
+    for i in range(lines):
+        print(f"rank {rank} line {i} " + "x" * 40)
+        print(f"rank {rank} err {i} " + "y" * 40, file=sys.stderr)

@@ -1,4 +1,5 @@
-"""The launcher: results, environment, and every failure mode stops every rank."""
+"""The launcher: results, environment, whole output lines, and every failure mode
+stops every rank."""
 
 from __future__ import annotations
 
@@ -129,3 +130,17 @@ def test_launch_from_a_main_script(tmp_path: Path) -> None:
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[4, 8]"
+
+
+@STARTS
+def test_ranks_printing_at_once_never_break_each_others_lines(
+    capfd: pytest.CaptureFixture[str], start: str
+) -> None:
+    # print writes the text and its newline apart; unbuffered ranks would interleave them.
+    run_distributed(bodies_launch.chatter, 300, world_size=2, start=start)
+    out, err = capfd.readouterr()
+    for stream, kind in ((out, "line"), (err, "err")):
+        lines = [line for line in stream.splitlines() if line.startswith("rank ")]
+        pad = "x" if kind == "line" else "y"
+        expected = sorted(f"rank {r} {kind} {i} " + pad * 40 for r in (0, 1) for i in range(300))
+        assert sorted(lines) == expected
