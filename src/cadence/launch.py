@@ -151,6 +151,9 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks and return their results.
 
+    Every rank writes to the launcher's descriptors 1 and 2, line-buffered: each line
+    arrives whole and as soon as it ends, however many ranks print at once.
+
     Args:
         fn: any callable, closures and lambdas included.
         nprocs: number of ranks.
