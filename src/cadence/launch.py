@@ -128,6 +128,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _reopen_closed_stdio() -> None:
+    """Put the null device on descriptor 1 or 2 where the launcher's process closed it.
+
+    Every rank writes to these two. Left closed, the launch's own first files or its
+    warm server's socket would take the number, and the ranks would write into them.
+    """
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null == fd:  # os.open's descriptors are not inherited; dup2's are
+                os.set_inheritable(fd, True)
+            else:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def _dumps(obj: Any) -> bytes:
     # By value, so closures, lambdas and functions of ``__main__`` reach the ranks, which
     # cannot import them by name. Imported here: ``import cadence`` loads this module
@@ -180,6 +198,7 @@ def launch(
         raise CadenceValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if start not in ("fresh", "warm"):
         raise CadenceValueError(f'start must be "fresh" or "warm", got {start!r}')
+    _reopen_closed_stdio()
     # mkdtemp makes the folder 0700, owned by this user, under a name nobody could
     # guess and create first: ranks unpickle what is in it.
     with tempfile.TemporaryDirectory(prefix="cadence-launch-") as tmp:

@@ -79,3 +79,8 @@ def chatter(lines: int) -> None:
     for i in range(lines):
         print(f"rank {rank} line {i} " + "x" * 40)
         print(f"rank {rank} err {i} " + "y" * 40, file=sys.stderr)
+
+
+def say_and_return(word: str) -> int:
+    say(word)
+    return dist.get_rank()

@@ -4,6 +4,8 @@ stops every rank."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,8 @@ import pytest
 import cadence
 from cadence.testing import run_distributed
 from tests.foundation import bodies_launch
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -113,9 +117,6 @@ def test_launch_ships_closures_and_lambdas() -> None:
 
 
 def test_launch_from_a_main_script(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     script = tmp_path / "job.py"
     script.write_text(
         "import cadence\n"
@@ -144,3 +145,31 @@ def test_ranks_printing_at_once_never_break_each_others_lines(
         pad = "x" if kind == "line" else "y"
         expected = sorted(f"rank {r} {kind} {i} " + pad * 40 for r in (0, 1) for i in range(300))
         assert sorted(lines) == expected
+
+
+@STARTS
+@pytest.mark.parametrize("closed", [1, 2])
+def test_a_launcher_whose_stdout_or_stderr_is_closed_still_launches(
+    tmp_path: Path, start: str, closed: int
+) -> None:
+    # Left closed, the launch's first file or its warm server's socket would take the
+    # descriptor's number and become every rank's output.
+    result = tmp_path / "result"
+    script = tmp_path / "main.py"
+    script.write_text(
+        "import os, sys\n"
+        f"os.close({closed})\n"
+        "import cadence\n"
+        "from tests.foundation import bodies_launch\n"
+        f"got = cadence.launch(bodies_launch.say_and_return, 'hi', nprocs=2, start={start!r})\n"
+        f"open({str(result)!r}, 'w').write(repr(got))\n"
+    )
+    subprocess.run(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    assert result.read_text() == "[0, 1]"
