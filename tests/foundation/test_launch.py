@@ -4,6 +4,7 @@ stops every rank."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,12 +165,21 @@ def test_a_launcher_whose_stdout_or_stderr_is_closed_still_launches(
         f"got = cadence.launch(bodies_launch.say_and_return, 'hi', nprocs=2, start={start!r})\n"
         f"open({str(result)!r}, 'w').write(repr(got))\n"
     )
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, str(script)],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
+        text=True,
         timeout=120,
-        check=True,
     )
+    assert done.returncode == 0, done.stderr[-3000:]
     assert result.read_text() == "[0, 1]"
+    # The descriptor left open still carries the ranks' lines.
+    if closed == 1:
+        assert "hi on stderr from rank 1" in done.stderr
+    else:
+        assert sorted(re.findall(r"hi from rank \d", done.stdout)) == [
+            "hi from rank 0",
+            "hi from rank 1",
+        ]
