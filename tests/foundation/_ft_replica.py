@@ -100,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         default=-1,
         help="at this step, stop after the forward (the peers wait in the all-reduce) to be killed",
     )
+    ap.add_argument(
+        "--start-file",
+        type=Path,
+        default=None,
+        help="after joining the lighthouse, train only once this file exists",
+    )
     ap.add_argument("--plain", type=int, default=0, metavar="WORLD", help="baseline: no torchft")
     ap.add_argument("--steps", type=int, default=35, help="--plain: steps to run")
     args = ap.parse_args(argv)
@@ -159,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"event": "ready", "pid": os.getpid(), "t0": t_start, "t": time.time()}) + "\n"
     )
     log.flush()
+    # Heartbeating from here on, but no quorum asked for yet: a replica that asked before
+    # a slower peer's heartbeat reached the lighthouse would start a quorum without it.
+    while args.start_file is not None and not args.start_file.exists():
+        if time.time() > deadline:
+            raise TimeoutError(f"{args.start_file} never appeared")
+        time.sleep(0.02)
     stop_at: int | None = None
     while time.time() < deadline:
         t_step = time.perf_counter()

@@ -121,12 +121,21 @@ def test_survivors_train_on_and_the_returning_replica_heals_bitwise(
     cluster: tuple[str, Path, dict[int, Any]],
 ) -> None:
     address, out, procs = cluster
-    pace = ["--sleep", "0.02", "--max-seconds", "150"]
+    pace = ["--sleep", "0.02", "--max-seconds", "150", "--start-file", str(out / "go")]
     for r in range(2):
         procs[r] = spawn(r, address, out, "--seed", "0", *pace)
     # Replica 2 stops mid-step 8, after its forward: the survivors then wait for it in
     # the all-reduce of their step 8, where a node that dies mid-step leaves them.
     procs[2] = spawn(2, address, out, "--seed", "0", "--stall-at", str(STALL_AT), *pace)
+
+    # All three heartbeat before any asks for a quorum, so the first quorum holds all
+    # three: a replica whose start lagged (a loaded machine) would otherwise join by
+    # healing, past step 8, and never stall.
+    def ready() -> bool:
+        return all(any(x["event"] == "ready" for x in records(out, r)) for r in range(3))
+
+    wait_until("every replica heartbeating", ready, procs, out)
+    (out / "go").touch()
     stalled = lambda: any(x["event"] == "stalled" for x in records(out, 2))  # noqa: E731
     wait_until("replica 2 stalled mid-step", stalled, procs, out)
     time.sleep(0.5)  # the survivors are inside the step's all-reduce by now
