@@ -15,11 +15,14 @@ fewer values (plus the ids, 4 bytes each where the table has fewer than 2**31 ro
 for a dense table an all-reduce moves the whole table, the exchange still only the
 lookups.
 
-The backward on the concatenation is torch's own (``F.embedding_bag`` /
-``F.embedding`` on a view of the weight), so ``padding_idx``, a mean's bag sizes and
-``per_sample_weights`` keep torch's semantics; only the order of the float sums can
-differ from the all-reduced one. Each rank runs that backward for the world's batch:
-a scatter-add per id, cheap beside the wire, but W times the local one. The gathered
+The gradient of the concatenation is torch's: for a sparse table built from the
+lookups with the operations of torch's backward, to its bits (see [Note: a sparse
+table's gradient from its lookups] in ``_lookup_grad.py``), for a dense one by torch's
+own backward (``F.embedding_bag`` / ``F.embedding`` on a view of the weight). So
+``padding_idx``, a mean's bag sizes and ``per_sample_weights`` keep torch's
+semantics; only the order of the float sums can differ from the all-reduced one.
+Each rank builds that gradient for the world's batch: a row per id, cheap beside the
+wire, but W times the local one. The gathered
 bytes grow with the world as gloo's sparse all-reduce's do; where the world's ids
 approach the table's rows, a dense all-reduce of the table is the smaller exchange.
 
@@ -46,6 +49,7 @@ from torch import nn
 
 from cadence.comm import Comm, CommWork, ReductionHandle
 from cadence.data_parallel._errors import DataParallelError
+from cadence.data_parallel._lookup_grad import lookup_grad
 from cadence.errors import CadenceValueError
 
 __all__ = ["EmbeddingExchange"]
@@ -347,31 +351,35 @@ class EmbeddingExchange:
         weight.grad = total if weight.grad is None else weight.grad + total
 
     def _world_grad(self, call: _Call, divide: int) -> torch.Tensor:
-        """The table's gradient for every rank's lookups of this call, by torch's own
-        backward on their concatenation."""
+        """The table's gradient for every rank's lookups of this call: built from the
+        lookups for a sparse table (see [Note: a sparse table's gradient from its
+        lookups] in ``_lookup_grad.py``), by torch's own backward on their
+        concatenation for a dense one."""
         if call.local_grad is not None:
             ids, offsets, weights, grad = call.ids, call.offsets, call.weights, call.local_grad
         else:
             ids, offsets, weights, grad = self._concatenated(call)
         module = self.module
+        # The output's gradient arrives in the dtype the model's backward gave it; the
+        # lookup's output has the table's.
+        out_grad = grad.to(module.weight.dtype)
+        if divide > 1:
+            out_grad = out_grad / divide
+        if module.sparse:
+            return lookup_grad(module, ids, offsets, weights, out_grad)
         leaf = module.weight.detach().requires_grad_(True)
         with torch.enable_grad():
             if isinstance(module, nn.Embedding):
-                out = F.embedding(ids, leaf, module.padding_idx, sparse=module.sparse)
+                out = F.embedding(ids, leaf, module.padding_idx)
             else:
                 out = F.embedding_bag(
                     ids,
                     leaf,
                     offsets,
                     mode=module.mode,
-                    sparse=module.sparse,
                     per_sample_weights=weights,
                     padding_idx=module.padding_idx,
                 )
-            # The output's gradient arrives in the dtype the model's backward gave it.
-            out_grad = grad.to(out.dtype)
-            if divide > 1:
-                out_grad = out_grad / divide
             (result,) = torch.autograd.grad(out, leaf, out_grad)
         return result
 
