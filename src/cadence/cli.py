@@ -625,6 +625,15 @@ def add_bench_subcommand(subparsers: Any) -> argparse.ArgumentParser:
         metavar="NAME[,NAME...]",
         help="with 'step': only these cases (default: all)",
     )
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with 'step --link calibrated': run every case N times, each on a fresh link "
+        "with fresh ranks, and report the median over launches beside each launch's "
+        "figures (default: 1)",
+    )
     _add_bench_questions(parser)
     _add_debug(parser)
     parser.set_defaults(func=_bench)
@@ -733,6 +742,13 @@ def _bench(args: argparse.Namespace) -> int:
     from cadence.bench._record import default_results_dir
 
     question, options = _bench_question(args)
+    # Before anything runs: a count only a calibrated run honours is refused, not ignored.
+    if args.launches != 1:
+        from cadence.bench._launches import check_launches
+        from cadence.bench._on_link import CALIBRATED
+
+        calibrated = args.kind == "step" and (args.link or "").strip().lower() == CALIBRATED
+        check_launches(args.launches, calibrated=calibrated)
     if args.results is None:
         args.results = default_results_dir()
     if args.kind == "report":
@@ -776,8 +792,9 @@ def _bench(args: argparse.Namespace) -> int:
             from cadence.bench._calibrate import run_calibrated
 
             return run_calibrated(
-                quick=args.quick, results=args.results, cases=options.get("cases")
-            )
+                quick=args.quick, results=args.results, cases=options.get("cases"),
+                launches=args.launches,
+            )  # fmt: skip
         return bench_on_link(args.kind, args.link, quick=args.quick, results=args.results,
                              cases=options.get("cases"))  # fmt: skip
     record, path, chart = run_bench(

@@ -14,7 +14,8 @@ fewer (fully_shard's exchange reduce-scatter, the recommender's exchange of look
 a rate set by the smaller would put the other's wire well above its backward, and
 the comparison would favour the side that set it. Each case then runs on a link of
 its own at that rate and at a quarter of it, and the rows land in one ``step-link``
-record: one table per rate in ``docs/benchmarks.md``.
+record: one table per rate in ``docs/benchmarks.md``. With ``--launches N`` each case
+runs N times at each rate and its row is their median (`cadence.bench._launches`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cadence.bench._launches import check_launches, combine_launches
 from cadence.bench._loop import loadavg
 from cadence.bench._on_link import check_not_inside, inner_argv
 from cadence.bench._record import make_record, write_record
@@ -60,12 +62,17 @@ def _newest(folder: Path) -> dict[str, Any]:
     return record
 
 
-def run_calibrated(*, quick: bool, results: Path, cases: list[str] | None) -> int:
+def run_calibrated(
+    *, quick: bool, results: Path, cases: list[str] | None, launches: int = 1
+) -> int:
+    """Calibrate, then run every case at both rates, each ``launches`` times ([Note:
+    launches, not only repetitions] in `cadence.bench._launches`); its exit status."""
     from cadence.bench._run import format_rows
     from cadence.bench.step import CASES
     from cadence.link import EmulatedLink, LinkSpec
 
     check_not_inside()
+    check_launches(launches, calibrated=True)
     names = cases or list(CASES)
     load0 = loadavg()
     with tempfile.TemporaryDirectory(prefix="cadence-calibrate-") as tmp:
@@ -86,27 +93,37 @@ def run_calibrated(*, quick: bool, results: Path, cases: list[str] | None) -> in
             rate, backward, nbytes = calibration[name]
             for label, factor in RATES:
                 spec = LinkSpec(rate // factor)
-                out = work / f"{name}-{factor}"
-                with EmulatedLink(spec) as link:
-                    print(f"{name}, {label}: " + link.self_check().line(spec), flush=True)
-                    rc = link.run(inner_argv("step", quick=quick, results=out, cases=[name]))
-                if rc:
-                    return rc
-                record = _newest(out)
-                row = record["rows"][0]
-                row["rate"] = label
-                row["calibration"] = {"bytes": nbytes, "backward_ms": backward, "rate_bps": rate}
-                row["link_settings"] = {
-                    k: v for k, v in record["settings"].items() if k.startswith("link")
-                }
-                row["load"] = [
-                    record["machine"]["loadavg_before"][0],
-                    record["machine"]["loadavg"][0],
-                ]
-                settings = {k: v for k, v in record["settings"].items() if not k.startswith("link")}
-                pictures = sorted(out.glob(f"step-*-{name}-timeline.png"))
-                row["_timeline_src"] = str(pictures[-1]) if pictures else None
-                rows.append(row)
+                runs: list[dict[str, Any]] = []
+                for launch in range(launches):
+                    out = work / f"{name}-{factor}-{launch}"
+                    with EmulatedLink(spec) as link:
+                        which = f" (launch {launch + 1} of {launches})" if launches > 1 else ""
+                        print(f"{name}, {label}{which}: " + link.self_check().line(spec),
+                              flush=True)  # fmt: skip
+                        rc = link.run(inner_argv("step", quick=quick, results=out, cases=[name]))
+                    if rc:
+                        return rc
+                    record = _newest(out)
+                    row = record["rows"][0]
+                    row["rate"] = label
+                    row["calibration"] = {
+                        "bytes": nbytes, "backward_ms": backward, "rate_bps": rate,
+                    }  # fmt: skip
+                    row["link_settings"] = {
+                        k: v for k, v in record["settings"].items() if k.startswith("link")
+                    }
+                    row["load"] = [
+                        record["machine"]["loadavg_before"][0],
+                        record["machine"]["loadavg"][0],
+                    ]
+                    settings = {
+                        k: v for k, v in record["settings"].items() if not k.startswith("link")
+                    }
+                    pictures = sorted(out.glob(f"step-*-{name}-timeline.png"))
+                    row["_timeline_src"] = str(pictures[-1]) if pictures else None
+                    runs.append(row)
+                rows.append(combine_launches(runs))
+        settings["launches"] = launches
         record = make_record(KIND, quick=quick, rows=rows, load_before=load0, settings=settings)
         path = write_record(record, results)
         # Each case's timeline, beside the record under its name: the report cites them

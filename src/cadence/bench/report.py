@@ -174,6 +174,7 @@ Reproduce (from the repository root):
 cadence bench dp          # DataParallel vs DDP, three shapes
 cadence bench step        # whole steps: overlap_optimizer (dense, nanoGPT, pipeline), sparse
 cadence bench step --link calibrated  # the same on an emulated link, against the bound
+cadence bench step --link calibrated --launches 3  # each case in 3 launches, their median
 cadence bench fsdp        # fully_shard vs FSDP2, prefetch x reshard_after_forward, RSS
 cadence bench pp          # five schedules, world 2 and 4
 cadence bench collectives # exchange vs gloo's reduce-scatter, all-gather, all-reduce
@@ -532,13 +533,25 @@ def _link_tables(record: dict[str, Any], page_dir: Path | None = None) -> str:
     """One table per rate of a ``step-link`` record (see `cadence.bench._calibrate`)."""
     record = {**record, "rows": [_by_todays_bound(r) for r in record["rows"]]}
     m = record["machine"]
+    launches = int(record["settings"].get("launches", 1))
+    flags = (" --quick" if record["quick"] else "") + (
+        f" --launches {launches}" if launches > 1 else ""
+    )
     lines = [
-        f"`cadence bench step --link calibrated{' --quick' if record['quick'] else ''}`, "
+        f"`cadence bench step --link calibrated{flags}`, "
         f"{record['created']}: {m['cpu_count']} CPUs, torch {m.get('torch')}. Settings: "
         + ", ".join(f"{k} {v}" for k, v in record["settings"].items())
         + ". Times are multiples of the case's compute alone (C); each case ran on a "
         "link of its own, its load average (1 min, before / after) in the last column.\n"
     ]
+    if launches > 1:
+        lines.append(
+            f"Every case ran in {launches} launches, each on a fresh link with fresh ranks: "
+            "each figure below is the median over launches of that launch's own (quartiles "
+            "and range included), the efficiencies and verdicts are computed from those "
+            "medians, and each launch's headline figures follow each table ([Note: "
+            "launches, not only repetitions] in `cadence/bench/_launches.py`).\n"
+        )
     rates = list(dict.fromkeys(row["rate"] for row in record["rows"]))
     for rate in rates:
         lines.append(f"\n**{rate}**\n")
@@ -568,6 +581,8 @@ def _link_tables(record: dict[str, Any], page_dir: Path | None = None) -> str:
                 f"| {_cell(row['ratio'])} | {_cell(best)} | {_cell(row.get('aa'))} "
                 f"| {_link_verdict(row)} | {row['load'][0]:.2f} / {row['load'][1]:.2f} |"
             )
+        if launches > 1:
+            lines.extend(_launch_table([r for r in record["rows"] if r["rate"] == rate]))
     pictures = [(r["case"], r["rate"], r["timeline"]) for r in record["rows"] if r.get("timeline")]
     if pictures and page_dir is not None:
         lines.append(
@@ -581,6 +596,37 @@ def _link_tables(record: dict[str, Any], page_dir: Path | None = None) -> str:
             rel = os.path.relpath((folder / name).resolve(), page_dir.resolve())
             lines.append(f"![{case}, {rate}]({rel})")
     return "\n".join(lines) + "\n"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _launch_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Each launch's headline figures, under a rate's table of medians."""
+    lines = [
+        "\nPer launch (cadence / torch, / torch's best, A/A; efficiency against the "
+        "pattern's bound: cadence, torch; C; load before / after; * the traced launch):\n",
+        "| case | launch | cadence / torch | / torch's best | A/A | efficiency: cadence, "
+        "torch | C (ms) | load |",
+        "| --- " * 8 + "|",
+    ]
+    for row in rows:
+        for i, run in enumerate(row.get("launches") or []):
+            eff = run.get("efficiency_on_pattern") or {}
+            load = run.get("load") or [None, None]
+            mark = "*" if i == row.get("traced_launch") else ""
+            lines.append(
+                f"| {row['case']} | {i + 1}{mark} | {_num(run['ratio'])} "
+                f"| {_num(run.get('ratio_best'))} | {_num(run.get('aa'))} "
+                f"| {_num(eff.get('cadence'))}, {_num(eff.get('torch'))} "
+                f"| {_ms(run.get('compute_ms'))} | {_num(load[0])} / {_num(load[1])} |"
+            )
+    return lines
 
 
 def _history_section(older: list[dict[str, Any]], page_dir: Path | None) -> str:
