@@ -94,15 +94,42 @@ def test_the_trace_and_losses_come_from_the_median_launch() -> None:
 
 
 def test_every_launch_is_kept_beside_the_median() -> None:
-    row = combine_launches(_three())
+    rows = _three()
+    row = combine_launches(rows)
     assert [r["ratio"] for r in row["launches"]] == [0.85, 0.79, 0.80]
-    assert [r["compute_ms"] for r in row["launches"]] == [100.0, 102.0, 104.0]
-    # Efficiency against the pattern's bound, per launch: (serial - step) / (serial - bound).
-    first = row["launches"][0]["efficiency_on_pattern"]
-    assert first["cadence"] == pytest.approx((138.0 - 130.0) / (138.0 - 105.0))
-    assert first["torch"] == pytest.approx((163.0 - 152.0) / (163.0 - 105.0))
+    assert [r["link"] for r in row["launches"]] == [r["link"] for r in rows]
+    assert [r["load"] for r in row["launches"]] == [[1.0, 2.0]] * 3
     one = combine_launches(_three()[:1])
     assert one["ratio"]["median"] == 0.85 and len(one["launches"]) == 1
+
+
+def _efficiency_by_hand(link: dict[str, Any], variant: str) -> float:
+    """(serial - step) / (serial - pattern bound), the bound by today's rule."""
+    from cadence.bench._bound import recomputed
+
+    f = link[variant]
+    bound = recomputed("recommender", link, variant)
+    return (f["serial_ms"] - f["measured_ms"]) / (f["serial_ms"] - bound)
+
+
+def test_efficiency_is_the_median_of_each_launchs_own() -> None:
+    """A ratio of differences is computed per launch, from that launch's compute alone,
+    serial time and bound, then its median taken; the efficiency of the medians of
+    those times would differ (here by about 0.1)."""
+    import statistics
+
+    from cadence.bench.report import _by_todays_bound, _efficiency, _efficiency_of
+
+    rows = _three()
+    row = _by_todays_bound(combine_launches(rows))
+    own = [_efficiency_by_hand(r["link"], "cadence") for r in rows]
+    got = _efficiency(row, "cadence", "pattern_bound_ms")
+    assert got == pytest.approx(statistics.median(own))
+    of_medians = _efficiency_of(row, "cadence", "pattern_bound_ms")
+    assert of_medians is not None and abs(of_medians - got) > 0.05, (of_medians, got)
+    # One launch: the row's own figures, as before launches existed.
+    single = _by_todays_bound(combine_launches(rows[:1]))
+    assert _efficiency(single, "cadence", "pattern_bound_ms") == pytest.approx(own[0])
 
 
 def test_rows_of_different_cases_are_not_combined() -> None:
@@ -137,7 +164,11 @@ def test_the_report_judges_the_median_and_prints_every_launch() -> None:
         ["2", "0.79"],
         ["3*", "0.80"],
     ]
-    assert "0.24, 0.19 | 100.0 | 1.00 / 2.00 |" in launch_lines[0], launch_lines[0]
+    first = _three()[0]["link"]
+    cells = (
+        f"{_efficiency_by_hand(first, 'cadence'):.2f}, {_efficiency_by_hand(first, 'torch'):.2f}"
+    )
+    assert f"| {cells} | 100.0 | 1.00 / 2.00 |" in launch_lines[0], launch_lines[0]
     # A record of one launch prints no launch table.
     single = {**record, "settings": {"world": 2}, "rows": [_three()[0]]}
     assert "launch" not in _link_tables(single)

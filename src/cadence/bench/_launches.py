@@ -13,16 +13,19 @@ the same code read the pipeline's overlap efficiency as 0.94 and 0.76, nanoGPT's
 So a case can run in N launches, each on a fresh link with fresh ranks, and its row is
 the median over launches of every figure the launches measured: the ratio summaries
 (median, quartiles and range each the median of the launches' own), the times, the
-CPU, the bytes, the bounds' inputs. Figures derived from those (efficiency, the bound,
-the verdicts) are computed from the medians, as for one launch. Every launch's
-headline figures are kept in the row (``launches``), and the report prints them, so
-a median never hides a launch that disagrees. The traced step and the losses come
-from one launch, the one whose cadence / torch ratio is the median's (the lower
+CPU, the bytes, the bounds' inputs. The overlap efficiency is the exception: a ratio
+of two differences, it is computed in each launch from that launch's own figures
+(its compute alone, serial time and bound), and the row's is the median of those, as
+is the cores' limit on it; the verdicts read those medians. Every launch's ratios and
+link figures are kept in the row (``launches``) and the report prints each launch's,
+so a median never hides a launch that disagrees. The traced step and the losses
+come from one launch, the one whose cadence / torch ratio is the median's (the lower
 middle for an even N): a trace is one step, not a statistic.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -54,26 +57,15 @@ def check_launches(launches: int, *, calibrated: bool) -> None:
 
 
 def launch_summary(row: dict[str, Any]) -> dict[str, Any]:
-    """One launch's headline figures, kept beside the combined row."""
-    from cadence.bench._bound import efficiency
-
-    lk = row.get("link") or {}
-    eff: dict[str, float | None] = {}
-    for v in ("cadence", "torch", "torch_best"):
-        f = lk.get(v)
-        if isinstance(f, dict):
-            eff[v] = efficiency(
-                serial=f["serial_ms"], bound=f["pattern_bound_ms"], measured=f["measured_ms"],
-                compute=lk["compute_ms"],
-            )  # fmt: skip
+    """One launch's own figures, kept beside the combined row: its ratios and its link
+    figures, from which the report computes that launch's efficiencies."""
     best = row.get("ratio_best")
     return {
         "ratio": row["ratio"]["median"],
         "ratio_best": best["median"] if best else None,
         "aa": row["aa"]["median"] if row.get("aa") else None,
-        "efficiency_on_pattern": eff,
-        "compute_ms": lk.get("compute_ms"),
         "load": row.get("load"),
+        "link": copy.deepcopy(row.get("link")),
     }
 
 

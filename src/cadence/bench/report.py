@@ -15,6 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -398,9 +400,36 @@ def _room(row: dict[str, Any]) -> str:
     return f"{(f['serial_ms'] - f['bound_ms']) / c:.2f}"
 
 
+def _launch_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each launch of a row run in several, as a row of its own (its own link figures,
+    read by today's bound); [] for a row of one launch."""
+    runs = row.get("launches") or []
+    if len(runs) < 2 or not all(isinstance(r.get("link"), dict) for r in runs):
+        return []
+    return [_by_todays_bound({**row, "link": r["link"], "launches": None}) for r in runs]
+
+
+def _over_launches(
+    row: dict[str, Any], of_one: Callable[[dict[str, Any]], float | None]
+) -> float | None:
+    """A figure that is a ratio of differences, for a row of several launches: the
+    median of each launch's own (see [Note: launches, not only repetitions] in
+    `cadence/bench/_launches.py`). Where one launch has none (less than C/10 to hide
+    there), or the row has one launch, the figure from the row's own medians."""
+    values = [of_one(r) for r in _launch_rows(row)]
+    if values and all(v is not None for v in values):
+        return float(statistics.median(v for v in values if v is not None))
+    return of_one(row)
+
+
 def _efficiency(row: dict[str, Any], variant: str, bound: str = "bound_ms") -> float | None:
     """Recomputed from the record's times, so every record reads by today's rule;
-    against ``bound`` (the larger bound, or ``pattern_bound_ms`` alone)."""
+    against ``bound`` (the larger bound, or ``pattern_bound_ms`` alone); for a row of
+    several launches, the median of the launches' own."""
+    return _over_launches(row, lambda r: _efficiency_of(r, variant, bound))
+
+
+def _efficiency_of(row: dict[str, Any], variant: str, bound: str) -> float | None:
     from cadence.bench._bound import efficiency
 
     f = row["link"][variant]
@@ -456,7 +485,11 @@ VARIANTS_WITH_BOUNDS = ("cadence", "cadence_sync", "torch", "torch_best")
 def _cores_limit(row: dict[str, Any]) -> float | None:
     """The best efficiency against the pattern bound that the cores allow (see
     [Note: an efficiency target the cores rule out]); None where the pattern leaves
-    less than C/10 to hide."""
+    less than C/10 to hide; over launches, the median of the launches' own."""
+    return _over_launches(row, _cores_limit_of)
+
+
+def _cores_limit_of(row: dict[str, Any]) -> float | None:
     from cadence.bench._bound import MIN_HIDEABLE
 
     lk = row["link"]
@@ -548,9 +581,10 @@ def _link_tables(record: dict[str, Any], page_dir: Path | None = None) -> str:
         lines.append(
             f"Every case ran in {launches} launches, each on a fresh link with fresh ranks: "
             "each figure below is the median over launches of that launch's own (quartiles "
-            "and range included), the efficiencies and verdicts are computed from those "
-            "medians, and each launch's headline figures follow each table ([Note: "
-            "launches, not only repetitions] in `cadence/bench/_launches.py`).\n"
+            "and range included); an efficiency, and the cores' limit on it, is computed in "
+            "each launch from its own times and the median taken; the verdicts read those "
+            "medians; each launch's own figures follow each table ([Note: launches, not "
+            "only repetitions] in `cadence/bench/_launches.py`).\n"
         )
     rates = list(dict.fromkeys(row["rate"] for row in record["rows"]))
     for rate in rates:
@@ -582,7 +616,18 @@ def _link_tables(record: dict[str, Any], page_dir: Path | None = None) -> str:
                 f"| {_link_verdict(row)} | {row['load'][0]:.2f} / {row['load'][1]:.2f} |"
             )
         if launches > 1:
-            lines.extend(_launch_table([r for r in record["rows"] if r["rate"] == rate]))
+            lines.append(
+                "\nPer launch (cadence / torch, / torch's best, A/A; efficiency against the "
+                "pattern's bound: cadence, torch; C; load before / after; * the traced "
+                "launch):\n"
+            )
+            lines.append(
+                "| case | launch | cadence / torch | / torch's best | A/A | efficiency: "
+                "cadence, torch | C (ms) | load |"
+            )
+            lines.append("| --- " * 8 + "|")
+            for row in (r for r in record["rows"] if r["rate"] == rate):
+                lines.extend(_launch_table(row))
     pictures = [(r["case"], r["rate"], r["timeline"]) for r in record["rows"] if r.get("timeline")]
     if pictures and page_dir is not None:
         lines.append(
@@ -606,26 +651,19 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def _launch_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Each launch's headline figures, under a rate's table of medians."""
-    lines = [
-        "\nPer launch (cadence / torch, / torch's best, A/A; efficiency against the "
-        "pattern's bound: cadence, torch; C; load before / after; * the traced launch):\n",
-        "| case | launch | cadence / torch | / torch's best | A/A | efficiency: cadence, "
-        "torch | C (ms) | load |",
-        "| --- " * 8 + "|",
-    ]
-    for row in rows:
-        for i, run in enumerate(row.get("launches") or []):
-            eff = run.get("efficiency_on_pattern") or {}
-            load = run.get("load") or [None, None]
-            mark = "*" if i == row.get("traced_launch") else ""
-            lines.append(
-                f"| {row['case']} | {i + 1}{mark} | {_num(run['ratio'])} "
-                f"| {_num(run.get('ratio_best'))} | {_num(run.get('aa'))} "
-                f"| {_num(eff.get('cadence'))}, {_num(eff.get('torch'))} "
-                f"| {_ms(run.get('compute_ms'))} | {_num(load[0])} / {_num(load[1])} |"
-            )
+def _launch_table(row: dict[str, Any]) -> list[str]:
+    """Each launch's own figures, under a rate's table of medians."""
+    lines = []
+    for i, (run, one) in enumerate(zip(row.get("launches") or [], _launch_rows(row))):
+        load = run.get("load") or [None, None]
+        mark = "*" if i == row.get("traced_launch") else ""
+        lines.append(
+            f"| {row['case']} | {i + 1}{mark} | {_num(run['ratio'])} "
+            f"| {_num(run.get('ratio_best'))} | {_num(run.get('aa'))} "
+            f"| {_num(_efficiency_of(one, 'cadence', 'pattern_bound_ms'))}, "
+            f"{_num(_efficiency_of(one, 'torch', 'pattern_bound_ms'))} "
+            f"| {_ms(one['link'].get('compute_ms'))} | {_num(load[0])} / {_num(load[1])} |"
+        )
     return lines
 
 
