@@ -36,9 +36,8 @@ __all__ = ["MAX_LAUNCHES", "check_launches", "combine_launches", "launch_summary
 
 MAX_LAUNCHES = 9  # a full calibrated run is about 20 minutes per launch
 
-# Kept from the representative launch, never combined: one traced step, the parity
-# losses (the same in every launch: a test checks they match torch's), and what names
-# the run.
+# Kept from the representative launch, never combined: one traced step, the losses
+# (every launch runs the same seeded steps on the same batch), and what names the run.
 _FROM_ONE = ("trace", "losses", "timeline", "_timeline_src", "case", "what", "metric", "rate")
 
 
