@@ -62,6 +62,24 @@ def _newest(folder: Path) -> dict[str, Any]:
     return record
 
 
+def _launch_row(
+    out: Path, name: str, label: str, calibration: tuple[int, float, int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One launch's row, from the record its run wrote into ``out``, and the run's
+    settings but the link's (which the row keeps)."""
+    nbytes, backward, rate = calibration
+    record = _newest(out)
+    row: dict[str, Any] = record["rows"][0]
+    row["rate"] = label
+    row["calibration"] = {"bytes": nbytes, "backward_ms": backward, "rate_bps": rate}
+    row["link_settings"] = {k: v for k, v in record["settings"].items() if k.startswith("link")}
+    row["load"] = [record["machine"]["loadavg_before"][0], record["machine"]["loadavg"][0]]
+    pictures = sorted(out.glob(f"step-*-{name}-timeline.png"))
+    row["_timeline_src"] = str(pictures[-1]) if pictures else None
+    settings = {k: v for k, v in record["settings"].items() if not k.startswith("link")}
+    return row, settings
+
+
 def run_calibrated(
     *, quick: bool, results: Path, cases: list[str] | None, launches: int = 1
 ) -> int:
@@ -103,24 +121,7 @@ def run_calibrated(
                         rc = link.run(inner_argv("step", quick=quick, results=out, cases=[name]))
                     if rc:
                         return rc
-                    record = _newest(out)
-                    row = record["rows"][0]
-                    row["rate"] = label
-                    row["calibration"] = {
-                        "bytes": nbytes, "backward_ms": backward, "rate_bps": rate,
-                    }  # fmt: skip
-                    row["link_settings"] = {
-                        k: v for k, v in record["settings"].items() if k.startswith("link")
-                    }
-                    row["load"] = [
-                        record["machine"]["loadavg_before"][0],
-                        record["machine"]["loadavg"][0],
-                    ]
-                    settings = {
-                        k: v for k, v in record["settings"].items() if not k.startswith("link")
-                    }
-                    pictures = sorted(out.glob(f"step-*-{name}-timeline.png"))
-                    row["_timeline_src"] = str(pictures[-1]) if pictures else None
+                    row, settings = _launch_row(out, name, label, (nbytes, backward, rate))
                     runs.append(row)
                 rows.append(combine_launches(runs))
         settings["launches"] = launches

@@ -401,12 +401,13 @@ def _room(row: dict[str, Any]) -> str:
 
 
 def _launch_rows(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each launch of a row run in several, as a row of its own (its own link figures,
-    read by today's bound); [] for a row of one launch."""
+    """Each launch of a row run in several, as the row the efficiency functions read
+    (its own link figures, which `_by_todays_bound` recomputed with the row's); [] for
+    a row of one launch."""
     runs = row.get("launches") or []
     if len(runs) < 2 or not all(isinstance(r.get("link"), dict) for r in runs):
         return []
-    return [_by_todays_bound({**row, "link": r["link"], "launches": None}) for r in runs]
+    return [{"link": r["link"]} for r in runs]
 
 
 def _over_launches(
@@ -548,17 +549,21 @@ def _link_verdict(row: dict[str, Any]) -> str:
 
 def _by_todays_bound(row: dict[str, Any]) -> dict[str, Any]:
     """The row with every variant's pattern bound (and so its bound) recomputed by
-    today's rule from the inputs the record keeps (`_bound.recomputed`)."""
+    today's rule from the inputs the record keeps (`_bound.recomputed`), in the row's
+    link figures and in each of its launches'."""
     from cadence.bench._bound import recomputed
     from cadence.bench.step import CASES
 
     row = copy.deepcopy(row)
-    lk = row["link"]
-    for v in VARIANTS_WITH_BOUNDS:
-        if v in lk:
-            pattern = recomputed(CASES[row["case"]]["kind"], lk, v)
-            lk[v]["pattern_bound_ms"] = pattern
-            lk[v]["bound_ms"] = max(pattern, lk[v]["cpu_bound_ms"])
+    kind = CASES[row["case"]]["kind"]
+    launches = row.get("launches") or []
+    links = [row["link"], *(r["link"] for r in launches if isinstance(r.get("link"), dict))]
+    for lk in links:
+        for v in VARIANTS_WITH_BOUNDS:
+            if v in lk:
+                pattern = recomputed(kind, lk, v)
+                lk[v]["pattern_bound_ms"] = pattern
+                lk[v]["bound_ms"] = max(pattern, lk[v]["cpu_bound_ms"])
     return row
 
 
