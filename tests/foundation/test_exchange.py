@@ -134,6 +134,8 @@ def test_policy_is_validated_and_scoped_to_gloo_cpu() -> None:
     assert not every.uses_exchange("reduce_scatter", "nccl", cpu, 2)  # NCCL: never replaced
     assert not every.uses_exchange("reduce_scatter", "gloo", cpu, 1)  # nothing to exchange
     assert not every.uses_exchange("all_reduce", "gloo", torch.empty(4, device="meta"), 2)
+    sparse = torch.zeros(4).to_sparse()  # gloo's own sparse all-reduce, whatever the choice
+    assert not every.uses_exchange("all_reduce", "gloo", sparse, 2)
     assert not CollectiveAlgorithms.native().uses_exchange("all_gather", "gloo", cpu, 2)
 
 

@@ -98,12 +98,15 @@ AUTO_CROSSOVER_BYTES: dict[str, dict[int, int | None]] = {
 MEASURED_WORLDS = (2, 4, 8)
 
 
+def _auto_threshold(kind: str, world: int) -> int | None:
+    """The smallest message ``"auto"`` exchanges; None: never (or beyond what was measured)."""
+    row = next((w for w in MEASURED_WORLDS if w >= world), None)
+    return None if row is None else AUTO_CROSSOVER_BYTES[kind][row]
+
+
 def auto_uses_exchange(kind: str, nbytes: int, world: int) -> bool:
     """``"auto"``'s choice for a ``nbytes`` collective of ``kind`` on ``world`` ranks."""
-    row = next((w for w in MEASURED_WORLDS if w >= world), None)
-    if row is None:  # beyond what was measured: gloo's own
-        return False
-    threshold = AUTO_CROSSOVER_BYTES[kind][row]
+    threshold = _auto_threshold(kind, world)
     return threshold is not None and nbytes >= threshold
 
 
@@ -138,14 +141,19 @@ class CollectiveAlgorithms:
 
     def uses_exchange(self, kind: str, backend: str, tensor: torch.Tensor, world: int) -> bool:
         """Whether collective ``kind`` on ``tensor`` goes through an exchange."""
-        if world < 2 or backend != "gloo" or tensor.device.type != "cpu":
+        # The cheap tests first: this runs at every collective's issue, on the critical
+        # path of a bucket's launch, and "auto" never exchanges an all-reduce.
+        choice: Algorithm = getattr(self, kind)
+        if world < 2 or backend != "gloo" or choice == "native":
+            return False
+        threshold = _auto_threshold(kind, world) if choice == "auto" else 0
+        if threshold is None:
+            return False
+        if tensor.device.type != "cpu":
             return False
         if tensor.layout != torch.strided:  # a sparse gradient: gloo's own sparse all-reduce
             return False
-        choice: Algorithm = getattr(self, kind)
-        if choice != "auto":
-            return choice == "exchange"
-        return auto_uses_exchange(kind, tensor.numel() * tensor.element_size(), world)
+        return tensor.numel() * tensor.element_size() >= threshold
 
 
 def check_algorithms(value: object, who: str) -> CollectiveAlgorithms:

@@ -352,7 +352,7 @@ class PipelineRuntime:
                     if run:
                         self._post_batch(run, st)
                     continue
-                with phase(f"pp.{a}"):
+                with phase("pp.", a):
                     self._handlers[a.kind](a, i, st)
                 if self.event_log is not None and a.is_compute:
                     for c in a.compute_parts():
