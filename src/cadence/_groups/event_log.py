@@ -20,7 +20,6 @@ import contextlib
 import threading
 import time
 from collections import deque
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,7 @@ import torch
 from cadence.errors import CadenceValueError
 
 
-def phase(name: str, detail: object = "") -> AbstractContextManager[Any]:
+def phase(name: str, detail: object = "") -> contextlib.AbstractContextManager[Any]:
     """A range named ``cadence::<name><detail>`` in a ``torch.profiler`` trace.
 
     The event log records cadence's collectives on its own clock; a user who profiles
@@ -52,7 +51,7 @@ def phase(name: str, detail: object = "") -> AbstractContextManager[Any]:
 
 
 # Reusable: a nullcontext holds no state between uses.
-_NO_RANGE: AbstractContextManager[Any] = contextlib.nullcontext()
+_NO_RANGE: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
 
 __all__ = ["CommEvent", "EventLog", "phase"]
