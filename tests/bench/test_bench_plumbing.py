@@ -418,6 +418,20 @@ def test_step_on_a_link_counts_bytes_and_bounds_each_variant(tmp_path: Path) -> 
         # The data-parallel cases keep their buckets' shares of the bytes for the bound.
         if row["case"] in ("dense_adamw", "recommender"):
             assert len(lk["shares"]) == lk["pieces"] and sum(lk["shares"]) == pytest.approx(1)
+        # The pipeline keeps when each bucket of each stage was ready in the plain
+        # variant: within its step, every byte of the reduction counted once.
+        if row["case"] == "pipeline":
+            ready = lk["releases"]
+            assert sum(share for _, share, _ in ready) == pytest.approx(1), ready
+            assert all(0 < r <= lk["compute_ms"] * 1.5 for r, _, _ in ready), (ready, lk)
+            assert len(ready) > 1
+            # One last message per replica past the first stage (2 x 2 here), and
+            # each stage's lag.
+            assert len(lk["messages"]) == 2, lk["messages"]
+            assert all(t > 0 for _, t in lk["messages"]), lk["messages"]
+            assert set(lk["replica_lag_ms"]) == {"0", "1"}
+        else:
+            assert "releases" not in lk
         assert lk["bytes"]["cadence"] > 0 and lk["bytes"]["torch"] > 0
         # The recommender's sparse exchange is counted apart, per variant, as part of
         # its bytes; no other case has an exchange that waits for the end of backward.
@@ -490,6 +504,84 @@ def test_the_bound_of_each_pattern_by_hand() -> None:
     # Pipeline: max(C, F + s0 W + O/4, F - b0 + W + O/4) = max(10, 18.5, 27.5).
     pp = bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=20, pieces=4, s0=0.5, b0=1)
     assert pp == pytest.approx(27.5)
+    # Pipeline with measured ready times (ready, share of W, share of its stage):
+    # the last stage's buckets at 2 and 5 (0.25 of W each), the first stage's at 9
+    # (0.5). From 2 all of W = 20 must cross: 22; from 5, 15 of it: 20; from 9, 10:
+    # 19. Then the smallest stage share of O: 0.5 * 2. So 23; s0 and b0 are unread.
+    jobs = [[2, 0.25, 0.5], [5, 0.25, 0.5], [9, 0.5, 1.0]]
+    pp = bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=20, pieces=2, s0=0.9, b0=7, releases=jobs)
+    assert pp == pytest.approx(23)
+    # A late, large bucket binds instead: ready at 15 with 0.5 of W = 4 still to cross.
+    late = [[2, 0.25, 0.5], [5, 0.25, 0.5], [15, 0.5, 1.0]]
+    assert bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=4, pieces=2, releases=late) == 18
+    with pytest.raises(ValueError, match="share of its stage"):
+        bound_ms("pipeline", c=1, f_=0, b=0, o=0, w=1, pieces=1, releases=[[1, 1, 0]])
+    with pytest.raises(ValueError, match="share of its stage"):
+        bound_ms("pipeline", c=1, f_=0, b=0, o=0, w=1, pieces=1, releases=[])
+
+
+def test_a_pipelines_ready_times_take_the_latest_replica_and_the_median_step() -> None:
+    """The pipeline bound's buckets: each replica's median over steps, then the later
+    of a stage's replicas (its all-reduce starts only when both issued it); each
+    bucket's share of all the reduction's bytes and of its stage's. Its messages:
+    one per replica past the first stage, ready at that replica's typical end of
+    backward. The lag: how much later the later replica's first bucket was, step by
+    step."""
+    from cadence.bench._bound import _messages, _releases, _replica_lag
+
+    def rank(stage: int, releases: list[list[float]], sizes: list[int]) -> dict[str, Any]:
+        return {"meta": {"stage": stage, "bucket_bytes": sizes}, "releases": releases}
+
+    per_rank = [
+        rank(0, [[10, 20], [11, 21], [30, 40]], [100, 300]),
+        rank(1, [[5], [6], [7]], [400]),
+        rank(0, [[12, 19], [9, 25], [10, 41]], [100, 300]),
+        rank(1, [[8], [1], [2]], [400]),
+    ]
+    for r in per_rank:
+        r["meta"].update(stages=2, microbatches=4)
+    got = _releases(per_rank)
+    # Stage 0, bucket 0: medians 11 and 10 -> 11; bucket 1: 21 and 25 -> 25.
+    # Stage 1: medians 6 and 2 -> 6.
+    assert got == [[11, 0.125, 0.25], [25, 0.375, 0.75], [6, 0.5, 1.0]]
+    # 2 stages x 2 replicas x 4 microbatches: 16 messages of 1 000 bytes per step
+    # at 8 Mbit/s, 1 ms each; stage 1's two replicas end typically at 6 and 2.
+    assert _messages(per_rank, 16_000, 8e6) == [[6, 1.0], [2, 1.0]]
+    # Stage 0's first bucket: per step max(10, 12) - 11, max(11, 9) - 11,
+    # max(30, 10) - 11 -> median 1; stage 1: 8 - 6, 6 - 6, 7 - 6 -> 1.
+    assert _replica_lag(per_rank) == {"0": 1, "1": 1}
+    per_rank[3]["releases"] = []
+    assert _releases(per_rank) is None  # a rank without ready times: the estimated rule
+
+
+def test_grad_ready_times_stamp_each_bucket_when_its_last_gradient_lands() -> None:
+    """Backward fills the last layer's bucket first: its ready time comes before the
+    first layer's; a step that skipped a bucket's parameters is refused, not read."""
+    import time
+
+    import torch
+    from torch import nn
+
+    from cadence.bench._ready_times import GradReadyTimes
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ready = GradReadyTimes(model, [["1.weight", "1.bias"], ["0.weight", "0.bias"]])
+    for _ in range(2):  # a second step reads its own gradients, not the first's
+        t0 = time.perf_counter()
+        model(torch.randn(2, 4)).sum().backward()
+        last_layer, first_layer = ready.take(t0)
+        assert 0 <= last_layer <= first_layer
+    model[1](torch.randn(2, 4)).sum().backward()  # the first layer's bucket got nothing
+    with pytest.raises(RuntimeError, match=r"0\.weight"):
+        ready.take(time.perf_counter())
+    with pytest.raises(ValueError, match="nope"):
+        GradReadyTimes(model, [["nope"]])
+    ready.close()
+    t0 = time.perf_counter()
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="no gradient"):
+        ready.take(t0)  # closed: the hooks are gone
 
 
 def test_the_cores_bound_counts_the_cpu_after_the_last_backward_starts() -> None:

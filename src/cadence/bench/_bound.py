@@ -54,6 +54,26 @@ On a link, a step's communication is wire time while the cores are free. Its fig
     ``m + p - 1`` forward-and-backward slots: an estimate), on the same wire:
     ``max(C, F + s0·W + f·O, F - b0 + W + f·O)``. A deferred reduction can hide only
     in the cooldown: at rates where ``W`` dwarfs ``b0`` nearly nothing is hideable.
+    That is the rule for a record that kept no ready times (before 2026-12-08). A
+    record that did is read by the measured rule: each bucket ``j`` of each stage is
+    ready at ``r_j``, when the last gradient it holds landed in the ``plain``
+    variant (`_ready_times`; the latest of the stage's replicas, as an all-reduce
+    starts only when both have issued it; the median over steps), with ``w_j`` its
+    share of ``W`` by bytes. One wire serves every bucket, so no schedule of it ends
+    before ``max_j (r_j + Σ_{i: r_i >= r_j} w_i)``: everything released at or after
+    ``r_j`` must still cross it (Jackson's bound for one queue with release times).
+    The queue serves the pipeline's own messages too: each replica of a stage but
+    the first sends its last microbatch's input gradient when its last backward ends
+    (no earlier than the latest of its buckets is ready), and that message crosses
+    the same wire. Each is a job of its own, released then, its wire time the plain
+    variant's bytes per message (its bytes per step over its ``2·m·(p - 1)``
+    messages per replica, all of one activation's size) over the rate. Earlier
+    messages left before any bucket was ready and bound nothing. After the last
+    byte at least the smallest bucket's share of ``O`` is left:
+    ``max(C, max_j (r_j + Σ_{r_i >= r_j} w_i) + min_j s_j·O)``. It replaces the
+    three estimates of the rule above (``b0``; the last stage's buckets taken as
+    ready only after its last backward; the last gradient message left out) with
+    what the stages did.
 
 Efficiency is undefined where less than a tenth of compute alone is left to hide
 (serial - bound < C/10): a ratio of two small differences is noise, not a figure;
@@ -126,11 +146,15 @@ def bound_ms(
     b0: float = 0.0,
     late: float = 0.0,
     shares: Sequence[float] | None = None,
+    releases: Sequence[Sequence[float]] | None = None,
+    messages: Sequence[Sequence[float]] = (),
 ) -> float:
     """The bound of [Note: the bound perfect overlap allows], in the unit given;
     ``late`` is ``L``, the part of ``w`` that cannot start before backward ends;
     ``shares`` the data-parallel buckets' shares of the bytes in the order backward
-    fills them (equal ``pieces`` where None)."""
+    fills them (equal ``pieces`` where None); ``releases`` a pipeline's buckets as
+    ``(ready, share of w, share of its stage)``, which replaces ``s0`` and ``b0``,
+    and ``messages`` its own last messages as ``(ready, wire time)``."""
     if not 0.0 <= late <= w:
         raise ValueError(f"late wire time {late} must be within 0 and the wire time {w}")
     f = 1.0 / max(1, pieces)
@@ -140,8 +164,30 @@ def bound_ms(
         g = f * w / 3
         return max(g + c, g + f_ + b + g + f * o, w + f * o)
     if kind == "pipeline":
+        if releases is not None:
+            return max(c, _released_wire_bound(o, w, releases, messages))
         return max(c, f_ + s0 * w + f * o, f_ - b0 + w + f * o)
     raise ValueError(f"no bound for case kind {kind!r}")
+
+
+def _released_wire_bound(
+    o: float, w: float, releases: Sequence[Sequence[float]], messages: Sequence[Sequence[float]]
+) -> float:
+    """``max_j (r_j + Σ_{r_i >= r_j} w_i) + min_j s_j·O``: one queue's bound with
+    release times (buckets and messages), then the smallest bucket's share of the
+    optimizer."""
+    buckets = [(float(r), float(share), float(of_stage)) for r, share, of_stage in releases]
+    total = sum(share for _, share, _ in buckets)
+    if not buckets or total <= 0 or any(s < 0 or not 0 < st <= 1 for _, s, st in buckets):
+        raise ValueError(
+            "releases must be (ready, share of the wire, share of its stage) with "
+            f"non-negative shares of a positive sum and stage shares in (0, 1]: {releases}"
+        )
+    if any(len(m) != 2 or m[1] < 0 for m in messages):
+        raise ValueError(f"messages must be (ready, non-negative wire time): {messages}")
+    jobs = [(r, w * s / total) for r, s, _ in buckets] + [(float(r), float(t)) for r, t in messages]
+    wire = max(r + sum(t for ri, t in jobs if ri >= r) for r, _ in jobs)
+    return wire + min(st for _, _, st in buckets) * o
 
 
 def _dp_wire_bound(
@@ -175,6 +221,8 @@ def recomputed(kind: str, link: dict[str, Any], variant: str) -> float:
         b0=link.get("cooldown_backward_ms", 0.0),
         late=f.get("late_wire_ms", 0.0),
         shares=link.get("shares"),
+        releases=link.get("releases"),
+        messages=link.get("messages", ()),
     )
 
 
@@ -182,6 +230,63 @@ def _phases(per_rank: list[dict[str, Any]]) -> list[float]:
     """Median of each phase, then the slowest rank's (the step is the slowest rank's)."""
     per = [[statistics.median(col) for col in zip(*r["phases"], strict=True)] for r in per_rank]
     return [max(col) for col in zip(*per, strict=True)]
+
+
+def _releases(per_rank: list[dict[str, Any]]) -> list[list[float]] | None:
+    """A pipeline's buckets as ``[ready ms, share of the reduction's bytes, share of
+    its stage's]``: each replica's median over steps, then the latest replica's;
+    None where a rank kept no ready times."""
+    if not all(r.get("releases") for r in per_rank):
+        return None
+    by_stage: dict[int, list[dict[str, Any]]] = {}
+    for r in per_rank:
+        by_stage.setdefault(int(r["meta"]["stage"]), []).append(r)
+    sizes = {s: [int(x) for x in reps[0]["meta"]["bucket_bytes"]] for s, reps in by_stage.items()}
+    total = sum(sum(v) for v in sizes.values())
+    out: list[list[float]] = []
+    for stage, reps in sorted(by_stage.items()):
+        # Per replica first: which replica runs late changes from step to step (four
+        # ranks share two cores), and the later of two in each step is that
+        # scheduling's noise, which a variant's own steps draw afresh.
+        typical = [[statistics.median(col) for col in zip(*r["releases"], strict=True)]
+                   for r in reps]  # fmt: skip
+        ready = [max(col) for col in zip(*typical, strict=True)]
+        for r, nbytes in zip(ready, sizes[stage], strict=True):
+            out.append([r, nbytes / total, nbytes / sum(sizes[stage])])
+    return out
+
+
+def _messages(per_rank: list[dict[str, Any]], plain_bytes: int, rate: float) -> list[list[float]]:
+    """A pipeline's last input-gradient messages as ``[ready ms, wire ms]``: one per
+    replica of every stage but the first, ready when that replica's last backward
+    ended (the median over steps of its latest bucket), its wire time the plain
+    variant's bytes per message over ``rate``."""
+    meta = per_rank[0]["meta"]
+    stages, replicas = int(meta["stages"]), len(per_rank) // int(meta["stages"])
+    count = 2 * int(meta["microbatches"]) * (stages - 1) * replicas  # per step, all ranks
+    if count <= 0:
+        return []
+    wire_ms = 1e3 * 8 * plain_bytes / count / rate
+    return [
+        [statistics.median(max(step) for step in r["releases"]), wire_ms]
+        for r in per_rank
+        if int(r["meta"]["stage"]) > 0
+    ]
+
+
+def _replica_lag(per_rank: list[dict[str, Any]]) -> dict[str, float]:
+    """Per stage, how much later than the bound reads it the first bucket was ready
+    on the later replica, step by step (the median over steps, ms): the wire start
+    that the cores' scheduling of four ranks on two costs a reducing variant, which
+    no bound built from typical ready times can hold against it."""
+    by_stage: dict[int, list[list[float]]] = {}
+    for r in per_rank:
+        by_stage.setdefault(int(r["meta"]["stage"]), []).append([s[0] for s in r["releases"]])
+    out: dict[str, float] = {}
+    for stage, firsts in sorted(by_stage.items()):
+        typical = max(statistics.median(f) for f in firsts)
+        out[str(stage)] = statistics.median(max(step) - typical for step in zip(*firsts))
+    return out
 
 
 def _cpu_seconds(per_rank: list[dict[str, Any]], variant: str, key: str = "cpu") -> float:
@@ -218,8 +323,11 @@ def link_figures(
     pieces = int(per_rank[0]["meta"].get("pieces") or 1)
     shares = per_rank[0]["meta"].get("shares")
     late_bytes: dict[str, int] = per_rank[0].get("late_bytes") or {}
-    s0, b0 = 1.0, 0.0
+    s0, b0, releases, messages = 1.0, 0.0, None, []
     if kind == "pipeline":
+        releases = _releases(per_rank)
+        if releases is not None and rate:
+            messages = _messages(per_rank, wire_bytes["plain"], rate)
         meta = per_rank[0]["meta"]
         b0 = 2 / 3 * f_ / (meta["microbatches"] + meta["stages"] - 1)
         by_stage: dict[int, int] = {}
@@ -240,6 +348,10 @@ def link_figures(
     if kind == "pipeline":
         out["first_stage_share"] = s0
         out["cooldown_backward_ms"] = b0
+        if releases is not None:
+            out["releases"] = releases
+            out["messages"] = messages
+            out["replica_lag_ms"] = _replica_lag(per_rank)
     for v in ("cadence", "cadence_sync", "torch", "torch_best"):
         if v not in times or rate is None:
             continue
@@ -250,8 +362,9 @@ def link_figures(
         late = min(w, 1e3 * 8 * late_bytes.get(v, 0) / rate)
         serial = c + w
         bound = bound_ms(
-            kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0, b0=b0, late=late, shares=shares
-        )
+            kind, c=c, f_=f_, b=b, o=o, w=w, pieces=pieces, s0=s0, b0=b0, late=late,
+            shares=shares, releases=releases, messages=messages,
+        )  # fmt: skip
         measured = 1e3 * statistics.median(times[v])
         after = all(v in r.get("cpu_after", {}) for r in per_rank)
         cpu_after = 1e3 * _cpu_seconds(per_rank, v, "cpu_after") if after else None

@@ -111,6 +111,7 @@ from cadence.bench._loop import (
     rank_device,
     slowest_per_rep,
 )
+from cadence.bench._ready_times import GradReadyTimes
 from cadence.bench._record import make_record, paired_ratios, ratio_summary, timed_row
 from cadence.errors import CadenceValueError
 
@@ -175,7 +176,8 @@ class _CaseProbe:
       detached tensors so that noting one costs no device synchronization.
     - What the bound of [Note: the bound perfect overlap allows] needs: the ``plain``
       variant's step cut in three (before its last backward, that backward, after
-      it), ``meta`` (how many pieces the reduction comes in, a stage's bytes), and
+      it), ``meta`` (how many pieces the reduction comes in, a stage's bytes), for
+      a pipeline ``releases`` (when each bucket's gradients landed in ``plain``), and
       ``late``: per variant, the exchange that cannot start before the last backward
       ends (the recommender's sparse one), a call whose bytes on the link are counted
       apart.
@@ -193,6 +195,9 @@ class _CaseProbe:
         self.cpu_after: dict[str, list[float]] = {k: [] for k in (*VARIANTS, TORCH_BEST)}
         self._cpu_marks: dict[str, list[float]] = {}
         self.meta: dict[str, Any] = {}
+        # Per ``plain`` step, when each bucket's gradients were ready (a pipeline's; see
+        # `_ready_times`), ms from the step's start.
+        self.releases: list[list[float]] = []
         self.late: dict[str, Callable[[], None]] = {}
         self._marks: list[float] = []
         # The traced step of each variant (see `trace`): its phase marks; and the log
@@ -273,15 +278,19 @@ def _rel(t: float | None, t0: float) -> float | None:
     return None if t is None else t - t0
 
 
-def _bucket_meta(dp: Any) -> dict[str, Any]:
-    """How many buckets a DataParallel reduces in, and each one's share of the bytes
-    in launch order (the order backward fills them): the bound's ``pieces`` and
-    ``shares``."""
+def _bucket_bytes(dp: Any) -> list[int]:
+    """Each bucket's bytes, in launch order (the order backward fills them)."""
     params = dict(dp.module.named_parameters())
-    sizes = [
+    return [
         sum(params[n].numel() * params[n].element_size() for n in names)
         for names in dp.bucket_param_names()
     ]
+
+
+def _bucket_meta(dp: Any) -> dict[str, Any]:
+    """How many buckets a DataParallel reduces in, and each one's share of the bytes
+    in launch order: the bound's ``pieces`` and ``shares``."""
+    sizes = _bucket_bytes(dp)
     return {"pieces": len(sizes), "shares": [x / sum(sizes) for x in sizes]}
 
 
@@ -735,21 +744,29 @@ def _pipeline_steps(spec: dict[str, Any], rank: int, device: str) -> tuple[Steps
                n_microbatches=m, loss_fn=_gpt_loss)
         for k in ("torch", "torch_b")
     }  # fmt: skip
+    buckets = mods["cadence"].bucket_param_names()
     losses.meta.update(
         pieces=mods["cadence"].num_buckets,
         stage=stage,
         stages=pp,
         microbatches=m,
         stage_param_bytes=sum(p.numel() * p.element_size() for p in mods["plain"].parameters()),
+        bucket_bytes=[int(b) for b in _bucket_bytes(mods["cadence"])],
     )
+    # The pipeline's bound reads when each of cadence's buckets could start: when its
+    # gradients land in the variant that reduces nothing.
+    ready = GradReadyTimes(mods["plain"], buckets)
 
     def step(k: str) -> None:
         mb_losses: list[Any] = []
+        t0 = time.perf_counter()
         losses.mark(k)
         if k in runtimes:
             runtimes[k].step(x, target=y, losses=mb_losses)
         else:
             scheds[k].step(*((x,) if stage == 0 else ()), target=y, losses=mb_losses)
+        if k == "plain":
+            losses.releases.append(ready.take(t0))
         # The schedule's backwards are not cut out: the bound needs only the optimizer.
         losses.mark(k)
         losses.mark(k)
@@ -805,6 +822,7 @@ def rank_body(cases: dict[str, dict[str, Any]], warmup: int, reps: int) -> dict[
         times = interleave(steps, warmup=warmup, reps=reps, cpu=cpu)
         out[name] = {"times": times, "cpu": cpu, "losses": losses.floats(),
                      "phases": losses.phases[warmup:], "meta": losses.meta,
+                     "releases": losses.releases[warmup:],
                      "cpu_after": {k: v[warmup:] for k, v in losses.cpu_after.items() if v}}  # fmt: skip
         if on_link:  # every rank reads the one shared counter; rank 0's is kept
             out[name]["wire_bytes"] = {k: _bytes_per_step(f, 3) for k, f in steps.items()}
