@@ -511,6 +511,18 @@ def test_the_bound_of_each_pattern_by_hand() -> None:
     jobs = [[2, 0.25, 0.5], [5, 0.25, 0.5], [9, 0.5, 1.0]]
     pp = bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=20, pieces=2, s0=0.9, b0=7, releases=jobs)
     assert pp == pytest.approx(23)
+    # The last input-gradient message joins the queue: 3 of wire ready at 6. From 2
+    # now 20 + 3 must cross: 25, then 0.5 * 2: 26.
+    msg = bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=20, pieces=2, releases=jobs,
+                   messages=[[6, 3]])  # fmt: skip
+    assert msg == pytest.approx(26)
+    # A message ready after every bucket counts only from its own ready time: from
+    # 30, 30 + 3 + 1 = 34.
+    assert bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=20, pieces=2, releases=jobs,
+                    messages=[[30, 3]]) == pytest.approx(34)  # fmt: skip
+    with pytest.raises(ValueError, match="non-negative wire time"):
+        bound_ms("pipeline", c=1, f_=0, b=0, o=0, w=1, pieces=1, releases=jobs,
+                 messages=[[1, -1]])  # fmt: skip
     # A late, large bucket binds instead: ready at 15 with 0.5 of W = 4 still to cross.
     late = [[2, 0.25, 0.5], [5, 0.25, 0.5], [15, 0.5, 1.0]]
     assert bound_ms("pipeline", c=10, f_=8, b=0, o=2, w=4, pieces=2, releases=late) == 18

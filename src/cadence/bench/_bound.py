@@ -57,9 +57,10 @@ On a link, a step's communication is wire time while the cores are free. Its fig
     That is the rule for a record that kept no ready times (before 2026-12-08). A
     record that did is read by the measured rule: each bucket ``j`` of each stage is
     ready at ``r_j``, when the last gradient it holds landed in the ``plain``
-    variant (`_ready_times`; the latest of the stage's replicas, as an all-reduce
-    starts only when both have issued it; the median over steps), with ``w_j`` its
-    share of ``W`` by bytes. One wire serves every bucket, so no schedule of it ends
+    variant (`_ready_times`; each replica's median over steps, then the later
+    replica's, as an all-reduce starts only when both have issued it: which replica
+    runs late changes from step to step, and each variant draws that afresh), with
+    ``w_j`` its share of ``W`` by bytes. One wire serves every bucket, so no schedule of it ends
     before ``max_j (r_j + Σ_{i: r_i >= r_j} w_i)``: everything released at or after
     ``r_j`` must still cross it (Jackson's bound for one queue with release times).
     The queue serves the pipeline's own messages too: each replica of a stage but
