@@ -233,19 +233,25 @@ def _phases(per_rank: list[dict[str, Any]]) -> list[float]:
     return [max(col) for col in zip(*per, strict=True)]
 
 
+def _by_stage(per_rank: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """A pipeline's ranks by their stage, stages in order."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for r in per_rank:
+        out.setdefault(int(r["meta"]["stage"]), []).append(r)
+    return dict(sorted(out.items()))
+
+
 def _releases(per_rank: list[dict[str, Any]]) -> list[list[float]] | None:
     """A pipeline's buckets as ``[ready ms, share of the reduction's bytes, share of
     its stage's]``: each replica's median over steps, then the latest replica's;
     None where a rank kept no ready times."""
     if not all(r.get("releases") for r in per_rank):
         return None
-    by_stage: dict[int, list[dict[str, Any]]] = {}
-    for r in per_rank:
-        by_stage.setdefault(int(r["meta"]["stage"]), []).append(r)
+    by_stage = _by_stage(per_rank)
     sizes = {s: [int(x) for x in reps[0]["meta"]["bucket_bytes"]] for s, reps in by_stage.items()}
     total = sum(sum(v) for v in sizes.values())
     out: list[list[float]] = []
-    for stage, reps in sorted(by_stage.items()):
+    for stage, reps in by_stage.items():
         # Per replica first: which replica runs late changes from step to step (four
         # ranks share two cores), and the later of two in each step is that
         # scheduling's noise, which a variant's own steps draw afresh.
@@ -280,11 +286,9 @@ def _replica_lag(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     on the later replica, step by step (the median over steps, ms): the wire start
     that the cores' scheduling of four ranks on two costs a reducing variant, which
     no bound built from typical ready times can hold against it."""
-    by_stage: dict[int, list[list[float]]] = {}
-    for r in per_rank:
-        by_stage.setdefault(int(r["meta"]["stage"]), []).append([s[0] for s in r["releases"]])
     out: dict[str, float] = {}
-    for stage, firsts in sorted(by_stage.items()):
+    for stage, reps in _by_stage(per_rank).items():
+        firsts = [[step[0] for step in r["releases"]] for r in reps]
         typical = max(statistics.median(f) for f in firsts)
         out[str(stage)] = statistics.median(max(step) - typical for step in zip(*firsts))
     return out
@@ -331,10 +335,10 @@ def link_figures(
             messages = _messages(per_rank, wire_bytes["plain"], rate)
         meta = per_rank[0]["meta"]
         b0 = 2 / 3 * f_ / (meta["microbatches"] + meta["stages"] - 1)
-        by_stage: dict[int, int] = {}
-        for r in per_rank:
-            by_stage[r["meta"]["stage"]] = r["meta"]["stage_param_bytes"]
-        s0 = by_stage.get(0, 0) / max(1, sum(by_stage.values()))
+        stage_bytes = {
+            s: reps[0]["meta"]["stage_param_bytes"] for s, reps in _by_stage(per_rank).items()
+        }
+        s0 = stage_bytes.get(0, 0) / max(1, sum(stage_bytes.values()))
     out: dict[str, Any] = {
         "rate_bps": rate,
         "compute_ms": c,

@@ -37,11 +37,9 @@ class GradReadyTimes:
             )
         self._groups = [list(g) for g in groups]
         self._landed: dict[str, float] = {}
-        self._handles = [
+        # The hooks live as long as the module: a case's plain variant, read every step.
+        for n in (n for g in self._groups for n in g):
             params[n].register_post_accumulate_grad_hook(functools.partial(self._stamp, n))
-            for g in self._groups
-            for n in g
-        ]
 
     def _stamp(self, name: str, _param: Any) -> None:
         self._landed[name] = time.perf_counter()
@@ -59,8 +57,3 @@ class GradReadyTimes:
         out = [1e3 * (max(self._landed[n] for n in g) - t0) for g in self._groups]
         self._landed.clear()
         return out
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
