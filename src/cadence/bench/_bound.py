@@ -60,9 +60,10 @@ On a link, a step's communication is wire time while the cores are free. Its fig
     variant (`_ready_times`; each replica's median over steps, then the later
     replica's, as an all-reduce starts only when both have issued it: which replica
     runs late changes from step to step, and each variant draws that afresh), with
-    ``w_j`` its share of ``W`` by bytes. One wire serves every bucket, so no schedule of it ends
-    before ``max_j (r_j + Σ_{i: r_i >= r_j} w_i)``: everything released at or after
-    ``r_j`` must still cross it (Jackson's bound for one queue with release times).
+    ``w_j`` its share of ``W`` by bytes. One wire serves every bucket, so no
+    schedule of it ends before ``max_j (r_j + Σ_{i: r_i >= r_j} w_i)``: everything
+    released at or after ``r_j`` must still cross it (Jackson's bound for one queue
+    with release times).
     The queue serves the pipeline's own messages too: each replica of a stage but
     the first sends its last microbatch's input gradient when its last backward ends
     (no earlier than the latest of its buckets is ready), and that message crosses
@@ -290,7 +291,9 @@ def _replica_lag(per_rank: list[dict[str, Any]]) -> dict[str, float]:
     for stage, reps in _by_stage(per_rank).items():
         firsts = [[step[0] for step in r["releases"]] for r in reps]
         typical = max(statistics.median(f) for f in firsts)
-        out[str(stage)] = statistics.median(max(step) - typical for step in zip(*firsts))
+        out[str(stage)] = statistics.median(
+            max(step) - typical for step in zip(*firsts, strict=True)
+        )
     return out
 
 
